@@ -1,0 +1,53 @@
+# Set-up and everyday commands. `make demo` and `make test` work on a fresh machine.
+# On a machine without a CUDA GPU the CPU build of torch is installed first (TORCH_CPU_SPEC), so that the plain
+# `torch` requirement never pulls a multi-GB CUDA build. Override TORCH_CPU_SPEC / TORCH_PIP_ARGS where needed
+# (e.g. TORCH_PIP_ARGS="--index-url <your CPU wheel index>").
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_CPU_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+
+.PHONY: demo test lint format setup setup-dev bench clean
+
+$(VENV)/.torch:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch, sys; sys.exit(0 if tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) >= (2, 6) else 1)" 2>/dev/null \
+	  || { if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	         echo "CUDA GPU found: installing torch with CUDA"; $(PIP) install -q "torch>=2.6" $(TORCH_PIP_ARGS); \
+	       else \
+	         echo "no CUDA GPU: installing the CPU build ($(TORCH_CPU_SPEC))"; $(PIP) install -q "$(TORCH_CPU_SPEC)" $(TORCH_PIP_ARGS); \
+	       fi; }
+	@touch $@
+
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -e ".[dev]"
+	@touch $@
+
+setup: $(VENV)/.installed
+setup-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/llmtrain demo
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest -q tests
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+format: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check --fix src tests bench
+	$(VENV)/bin/ruff format src tests bench
+
+bench: $(VENV)/.installed-dev
+	$(PY) bench/train_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache build src/*.egg-info

@@ -1,0 +1,263 @@
+"""Typed run configuration: one dataclass per component, composed by :class:`Config`.
+
+The YAML file is these dataclasses serialized (``config.loader`` reads and writes it). Field names follow the
+seed documents' own words where they name a setting (``model.num_heads``, ``parallel.tensor_parallel``,
+``train.batch_size``, ``checkpoint.keep_checkpoint_max``...). Every field has a docstring (the string below
+it); ``llmtrain check --explain`` could print them. Cross-field rules live in ``config.validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only transformer. Unset (None) fields take the flavor's value."""
+
+    model_type: str = "llama3"
+    """Model family: llama3 (alias llama), qwen2, qwen3, glm4, baichuan2."""
+    flavor: str | None = None
+    """Named size within the family (debug, demo, 8b, 70b, ...); explicit fields below override it."""
+    hidden_size: int | None = None
+    """Width of the residual stream."""
+    num_layers: int | None = None
+    """Number of transformer blocks."""
+    num_heads: int | None = None
+    """Attention query heads."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means equal to num_heads."""
+    intermediate_size: int | None = None
+    """Hidden width of the SwiGLU MLP; None derives ceil(8/3 * hidden_size) rounded up to a multiple of 256."""
+    seq_length: int = 2048
+    """Training sequence length in tokens."""
+    vocab_size: int | None = None
+    """Embedding rows; None takes the tokenizer's vocabulary (from the first dataset's manifest)."""
+    head_dim: int | None = None
+    """Per-head width; None means hidden_size // num_heads."""
+    rms_norm_eps: float | None = None
+    """Epsilon of RMSNorm."""
+    rope_theta: float | None = None
+    """RoPE base frequency."""
+    rope_scaling: Any = None
+    """RoPE scaling: None, a number (linear factor) or a mapping like Llama 3's {factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings}."""
+    use_rope: bool = True
+    """Rotary position embeddings (False only with position_embedding: alibi)."""
+    position_embedding: str | None = None
+    """rope or alibi (Baichuan 2 13B)."""
+    partial_rotary_factor: float | None = None
+    """Fraction of each head's dims that are rotated (GLM-4: 0.5)."""
+    qkv_bias: bool | None = None
+    """Bias on the q/k/v projections (Qwen2, GLM-4)."""
+    qk_norm: bool | None = None
+    """RMSNorm on each head's queries and keys (Qwen3)."""
+    norm_head: bool | None = None
+    """Normalise the output-embedding rows (Baichuan 2 NormHead)."""
+    tie_word_embeddings: bool | None = None
+    """Share the input embedding and the output projection."""
+    use_flash_attention: bool = True
+    """Use torch's scaled_dot_product_attention (flash / memory-efficient kernels where the device has them)."""
+    document_mask: bool = False
+    """Mask attention across document boundaries inside packed sequences (needs EOS-separated samples)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init of weight matrices."""
+    init_from: str | None = None
+    """Start from existing weights: hf:PATH (a Hugging Face directory) or a checkpoint path."""
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Degrees multiply to the world size; data_parallel -1 derives it."""
+
+    data_parallel: int = -1
+    """Data-parallel degree; -1 derives it as world_size / (tensor_parallel * pipeline_parallel * ...)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree (with sequence parallel)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages."""
+    context_parallel: int = 1
+    """Context-parallel degree for long sequences."""
+    expert_parallel: int = 1
+    """Expert-parallel degree (MoE)."""
+    data_parallel_replicate: int = 1
+    """HSDP replicate degree (data_parallel = replicate * shard)."""
+    use_zero: bool = False
+    """Seed spelling: enable ZeRO sharding (stage given by zero_level)."""
+    zero_level: int | None = None
+    """Seed spelling of the ZeRO stage (1-3); used when use_zero is true."""
+    zero_stage: int | None = None
+    """ZeRO stage 0-3 (0 = plain data parallel). Takes precedence over use_zero/zero_level."""
+    micro_batch_num: int = 1
+    """Pipeline micro-batches per step."""
+    micro_batch_interleave: bool = False
+    """Seed key; accepted and mapped to the interleaved pipeline schedule when pipeline_parallel > 1."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedules)."""
+    enable_alltoall: bool = False
+    """Seed key: all-to-all dispatch for expert parallel."""
+
+    def effective_zero_stage(self) -> int:
+        """The ZeRO stage after resolving the seed's use_zero/zero_level spelling."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        if self.use_zero:
+            return self.zero_level if self.zero_level is not None else 3
+        return 0
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and the training loop."""
+
+    batch_size: int = 8
+    """Global batch in sequences: micro_batch_size x data_parallel x gradient accumulation."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on one data-parallel rank."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per step on each rank; None derives it from batch_size."""
+    max_steps: int = 100
+    """Optimizer steps to train."""
+    epochs: int | None = None
+    """Seed key; when set, caps training at this many passes over the data (max_steps still applies)."""
+    optimizer: str = "adamw"
+    """Optimizer: adamw."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms, biases and embeddings' norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    optimizer_impl: str = "auto"
+    """AdamW kernel: auto, fused, foreach or single."""
+    warmup_steps: int = 0
+    """Linear warmup steps from 0 to lr."""
+    decay_style: str = "cosine"
+    """Schedule after warmup: cosine, linear, constant or wsd (warmup-stable-decay)."""
+    decay_steps: int | None = None
+    """Steps over which to decay after warmup; None means max_steps - warmup_steps."""
+    wsd_decay_fraction: float = 0.2
+    """With decay_style wsd: the final fraction of decay_steps spent decaying (linearly) to min_lr."""
+    grad_clip_norm: float | None = 1.0
+    """Clip the global gradient norm to this value; None or 0 disables clipping (the norm is still logged)."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast with dynamic loss scaling)."""
+    loss_scale: Any = "dynamic"
+    """fp16 loss scaling: dynamic or a fixed number. Ignored for fp32/bf16."""
+    initial_loss_scale: float = 65536.0
+    """First loss scale of dynamic scaling."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic loss scale doubles."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy loss."""
+    seed: int = 1234
+    """Seed of the model init, data order and dropout."""
+    log_steps: int = 10
+    """Log metrics every this many steps."""
+    eval_steps: int = 0
+    """Validate every this many steps (0: only at the end)."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+
+
+@dataclass
+class DatasetSpec:
+    """One entry of data.datasets."""
+
+    path: str = ""
+    """Dataset prefix as written by `llmtrain prepare --output` (PREFIX.bin, PREFIX.idx, PREFIX.manifest.json)."""
+    weight: float = 1.0
+    """Relative sampling weight in the blend."""
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    datasets: list[DatasetSpec] = field(default_factory=list)
+    """Token datasets to blend: a list of {path: PREFIX, weight: W}."""
+    tokenizer: str | None = None
+    """Tokenizer file (tokenizer.json or .model); None takes the one recorded in the first dataset's manifest."""
+    valid_fraction: float = 0.01
+    """Fraction of documents held out for validation (whole documents, never shared with training)."""
+    num_workers: int = 0
+    """Background workers of the torch DataLoader."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints."""
+
+    save_steps: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep_checkpoint_max: int = 3
+    """Keep the newest this many checkpoints."""
+    resume: str = "auto"
+    """auto (newest checkpoint under checkpoint dir, if any), none, or a checkpoint PATH."""
+    save_dir: str | None = None
+    """Where checkpoints go; None means <run.output_dir>/checkpoints."""
+    save_at_end: bool = True
+    """Save a checkpoint after the last step."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, JSONL, TensorBoard and plots."""
+
+    progress_bar: bool = True
+    """Live progress bar with ETA (falls back to plain lines when the output is not a terminal)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under <run.output_dir>/tensorboard."""
+    plot: bool = True
+    """Write <run.output_dir>/loss.png at the end of the run."""
+    peak_tflops: float | None = None
+    """Peak dense FLOP/s of one device in TFLOP/s for MFU; None uses a built-in figure for the device."""
+
+
+@dataclass
+class EvalConfig:
+    """Validation on the held-out split."""
+
+    eval_iters: int = 10
+    """Micro-batches per validation."""
+    at_start: bool = True
+    """Also validate before the first step (step 0)."""
+
+
+@dataclass
+class RunConfig:
+    """Where and how the job runs."""
+
+    device_target: str = "auto"
+    """auto, cpu, cuda or npu (the seed's Ascend and GPU are accepted)."""
+    output_dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl, tensorboard/, checkpoints/, loss.png."""
+    name: str | None = None
+    """Run name for logs; None uses the output directory's name."""
+    threads: int | None = None
+    """torch CPU threads per process (None: torch's default)."""
+    dist_timeout_s: int = 600
+    """Timeout of collectives (the seed's HCCL_CONNECT_TIMEOUT)."""
+
+
+@dataclass
+class Config:
+    """A whole run: the seed's sections (model, parallel, train, run) plus data, checkpoint, logging, eval."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)

@@ -1,0 +1,26 @@
+"""User-facing errors.
+
+Everything a user can get wrong (a config key, a file, a value) raises a subclass of :class:`LLMTrainError`
+with one paragraph that names the file, key or value and says what would be valid. The CLI prints the message
+without a traceback and exits with code 2.
+"""
+
+from __future__ import annotations
+
+
+class LLMTrainError(Exception):
+    """Base class of errors caused by user input; the CLI turns them into exit code 2."""
+
+    exit_code = 2
+
+
+class ConfigError(LLMTrainError):
+    """A config file, key or value is invalid or inconsistent."""
+
+
+class DataError(LLMTrainError):
+    """An input file, dataset prefix or tokenizer is missing, malformed or inconsistent."""
+
+
+class CheckpointError(LLMTrainError):
+    """A checkpoint is missing, incomplete or does not match the run."""
