@@ -1,0 +1,130 @@
+"""``llmtrain check CONFIG.yaml [section.key=value ...] [--world-size N]``: validate a config, print it resolved.
+
+The command runs exactly what ``train`` runs before touching a device (``load_config`` -> ``validate`` ->
+``derive``), except that datasets missing on this machine are warnings (seed configs name cluster paths). It
+prints three blocks on stdout:
+
+1. the resolved config as native YAML (what ``train`` would use and save into its run directory);
+2. derived figures: parameters, world size and data-parallel size, the batch identity
+   (global batch = micro batch x data-parallel size x gradient accumulation), tokens per step, FLOPs per token,
+   total tokens;
+3. notes from the MindSpore/MindFormers adapter (keys renamed, reinterpreted or ignored) and warnings.
+
+The world size is ``--world-size``, else the ``WORLD_SIZE`` environment variable (set by torchrun), else the
+product of the configured degrees (tp x pp x cp x max(dp, 1)). Errors raise ConfigError/DataError; the CLI
+prints them as one paragraph and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import yaml
+
+from llmtrain.config import config_to_dict, load_config
+from llmtrain.config.derived import Derived
+from llmtrain.config.schema import Config
+from llmtrain.config.validate import check_config
+from llmtrain.distributed.parallel_dims import default_world_size
+from llmtrain.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file (native sections or the MindFormers flat layout)")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value",
+        help="dotted overrides in native names, applied after the file (e.g. train.lr=1e-3)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--world-size", type=int, default=None,
+        help="number of processes to check for (default: $WORLD_SIZE, else the product of the degrees)",
+    )  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg, notes = load_config(args.config, args.overrides)
+    world_size, origin = resolve_world_size(cfg, args.world_size)
+    derived, warnings = check_config(cfg, world_size, require_data=False)
+    print(f"# llmtrain check {args.config}: OK\n# resolved config")
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
+    print("\n# derived")
+    for label, value in derived_lines(cfg, derived, origin):
+        print(f"{label + ':':<18} {value}")
+    for title, lines in (("notes", notes), ("warnings", warnings)):
+        if lines:
+            print(f"\n# {title}")
+            for line in lines:
+                print(f"- {line}")
+    return 0
+
+
+def resolve_world_size(cfg: Config, explicit: int | None) -> tuple[int, str]:
+    """(world size, where it came from): --world-size, else $WORLD_SIZE, else the product of the degrees."""
+    if explicit is not None:
+        if explicit < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {explicit}.")
+        return explicit, "--world-size"
+    env = os.environ.get("WORLD_SIZE")
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ConfigError(f"the WORLD_SIZE environment variable is {env!r}; expected an integer >= 1.")
+        return value, "$WORLD_SIZE"
+    p = cfg.parallel
+    return default_world_size(p), (
+        f"the degrees: tp {p.tensor_parallel} x pp {p.pipeline_parallel} x cp {p.context_parallel} x "
+        f"dp {max(p.data_parallel, 1)}{' (dp -1 counts as 1)' if p.data_parallel == -1 else ''}"
+    )
+
+
+def derived_lines(cfg: Config, d: Derived, origin: str) -> list[tuple[str, str]]:
+    """(label, value) rows of the derived block."""
+    a, dims = d.model_args, d.dims
+    assert dims is not None
+    name = f"{a.family} {a.flavor}" if a.flavor else a.family
+    steps = cfg.train.max_steps
+    return [
+        ("parameters", f"{human(d.num_params)} ({d.num_params:,})"),
+        (
+            "model",
+            f"{name}: hidden {a.hidden_size}, {a.num_layers} layers, {a.num_heads} heads ({a.num_kv_heads} KV), "
+            f"ffn {a.intermediate_size}, vocab {a.vocab_size}, seq {cfg.model.seq_length}",
+        ),
+        ("world size", f"{d.world_size} (from {origin})"),
+        (
+            "parallel",
+            f"pp {dims.pp} x dp {dims.dp} (replicate {dims.dp_replicate} x shard {dims.dp_shard}) x cp {dims.cp}"
+            f" x tp {dims.tp}; ZeRO stage {cfg.parallel.effective_zero_stage()}",
+        ),
+        ("data parallel", str(d.data_parallel)),
+        ("micro batch", f"{d.micro_batch_size} sequence{'s' if d.micro_batch_size != 1 else ''}"),
+        ("grad accumulation", str(d.grad_accum)),
+        (
+            "global batch",
+            f"{d.global_batch} sequences (= micro {d.micro_batch_size} x DP {d.data_parallel} x "
+            f"accumulation {d.grad_accum})",
+        ),
+        ("tokens per step", f"{d.tokens_per_step:,}"),
+        ("FLOPs per token", f"{d.flops_per_token:.4g} (training: forward + backward)"),
+        ("FLOPs per step", f"{d.flops_per_token * d.tokens_per_step:.4g}"),
+        ("total tokens", f"{human(d.total_tokens)} ({steps:,} steps x {d.tokens_per_step:,})"),
+    ]
+
+
+def human(n: float) -> str:
+    """3 significant digits with a K/M/B/T suffix: 70553706496 -> '70.6B'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
+
+
+if __name__ == "__main__":  # python -m llmtrain.check CONFIG ... (same as `llmtrain check`)
+    from llmtrain.cli import main as cli_main
+
+    sys.exit(cli_main(["check", *sys.argv[1:]]))

@@ -1,0 +1,59 @@
+"""The one entry point: ``llmtrain <command> ...``.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``; this file only
+wires them up and turns user errors (:class:`llmtrain.errors.LLMTrainError`) into a one-paragraph message on
+stderr and exit code 2, without a traceback. Command modules are imported lazily so ``llmtrain --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from llmtrain.errors import LLMTrainError
+
+# command -> (module, one-line help). An explicit registry: nothing is imported by a user-supplied name.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("llmtrain.data.prepare", "tokenize text into Megatron .bin/.idx token shards"),
+    "train": ("llmtrain.train.entry", "train from a YAML config (also under torchrun)"),
+    "check": ("llmtrain.check", "validate a config and print it with derived figures"),
+    "generate": ("llmtrain.train.sample", "sample text from a run directory or checkpoint"),
+    "demo": ("llmtrain.demo", "prepare the stdlib sources, train the demo model on the CPU, sample"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmtrain", description="Pretrain LLMs from one YAML file.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        # Only the chosen command's module needs importing to build its flags.
+        if name in _requested_commands():
+            importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def _requested_commands() -> set[str]:
+    return {a for a in sys.argv[1:] if a in COMMANDS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:])
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except LLMTrainError as e:
+        print(f"llmtrain {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"llmtrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Reading, writing and overriding run configs: YAML <-> the typed dataclasses of ``config.schema``.
+
+The path of a config through this module::
+
+    YAML file --safe_load (duplicate keys rejected)--> raw dict
+      --mindformers.adapt--> native dict (+ notes: keys mapped, reinterpreted, ignored)
+      --apply_overrides(["train.lr=1e-3", ...])--> native dict
+      --config_from_dict (strict: unknown keys, wrong types)--> Config
+
+``config_from_dict`` walks the dataclass fields with their type hints and coerces each value; the coercion is
+deliberately small: ``int``, ``float``, ``bool``, ``str``, ``X | None``, nested dataclasses, ``list[Dataclass]``
+and ``Any`` (kept as written). YAML 1.1 reads ``1e-4`` (no dot) as a string, so numeric strings are accepted
+for number fields. Every mistake raises :class:`ConfigError` naming the file and the dotted key; an unknown
+key comes with the closest valid name (difflib). Cross-field rules are not here but in ``config.validate``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmtrain.config import mindformers
+from llmtrain.config.schema import Config, DatasetSpec
+from llmtrain.errors import ConfigError
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
+    """Read a YAML config (native or MindFormers layout), apply dotted overrides; return (config, notes)."""
+    path = Path(path)
+    raw = read_yaml(path)
+    native, notes = mindformers.adapt(raw, source=str(path))
+    native = apply_overrides(native, overrides)
+    return config_from_dict(native, source=str(path)), notes
+
+
+def read_yaml(path: Path) -> dict:
+    """The top-level mapping of a YAML file, read with a safe loader that rejects duplicate keys."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read as UTF-8 text: {e}.") from None
+    try:
+        data = yaml.load(text, Loader=_StrictSafeLoader)  # a SafeLoader subclass: safe_load semantics
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path}: the top level must be a mapping of sections (model:, parallel:, train:, "
+            f"data:, ...), got a {type(data).__name__}."
+        )
+    return data
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping (plain safe_load keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in the same mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain nested dict of a Config (the YAML layout)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write cfg as YAML (atomically: a temporary file renamed into place); load_config reads it back equal."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def apply_overrides(d: dict, overrides: Sequence[str]) -> dict:
+    """A copy of the native dict d with each ``section.key=value`` set; the value is parsed by yaml.safe_load.
+
+    Keys are our native names (checked against the schema, so a typo fails here with a suggestion). Values may
+    be any YAML: ``train.lr=1e-3``, ``data.datasets=[{path: x, weight: 1}]``, ``train.decay_steps=null``.
+    """
+    out = copy.deepcopy(d)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(
+                f"command-line override {item!r} is not of the form section.key=value (e.g. train.lr=1e-3)."
+            )
+        parts = key.split(".")
+        _check_override_key(parts, item)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"command-line override {item!r}: the value is not valid YAML ({e}).") from None
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"command-line override {item!r}: {'.'.join(parts[: i + 1])} is not a mapping in the "
+                    f"config (it is {child!r}), so it has no key {parts[i + 1]!r}."
+                )
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _check_override_key(parts: list[str], item: str) -> None:
+    """Raise ConfigError unless parts names a field of Config (or a key inside an ``Any`` mapping field)."""
+    cls: Any = Config
+    for i, part in enumerate(parts):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            if cls is Any:  # free-form value such as model.rope_scaling: any sub-key is allowed
+                return
+            raise ConfigError(
+                f"command-line override {item!r}: {'.'.join(parts[:i])} is a single value, not a section."
+            )
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            prefix = ".".join(parts[:i])
+            raise ConfigError(
+                f"command-line override {item!r}: unknown key {'.'.join(parts[: i + 1])!r}"
+                f"{_suggest(part, list(hints), prefix)}. Valid keys"
+                f"{' in ' + prefix if prefix else ' (sections)'}: {', '.join(hints)}."
+            )
+        cls = _strip_optional(hints[part])
+
+
+def config_from_dict(d: dict, source: str = "<dict>") -> Config:
+    """Build a Config from a native nested dict. Strict: unknown keys and wrong types raise ConfigError."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: the config must be a mapping of sections, got {type(d).__name__}.")
+    return _build(Config, d, prefix="", source=source)
+
+
+def _build(cls: type, d: dict, prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in d.items():
+        key = str(raw_key)
+        if key not in hints:
+            raise ConfigError(_unknown_key_message(cls, key, prefix, list(hints), source))
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}", source)
+    return cls(**kwargs)
+
+
+def _unknown_key_message(cls: type, key: str, prefix: str, valid: list[str], source: str) -> str:
+    section = prefix.rstrip(".")
+    hint = _suggest(key, valid, section)
+    if section:
+        return f"{source}: unknown key {prefix + key!r}{hint}. Valid keys in {section!r}: {', '.join(valid)}."
+    if not hint:  # a field written at the top level instead of inside its section?
+        sections = typing.get_type_hints(Config)
+        owners = [f"{name}.{key}" for name, sec in sections.items() if key in typing.get_type_hints(sec)]
+        if owners:
+            hint = f" (did you mean {owners[0]!r}? fields live inside their section)"
+    return f"{source}: unknown top-level section {key!r}{hint}. Valid sections: {', '.join(valid)}."
+
+
+def _suggest(key: str, valid: list[str], section: str) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {(section + '.' if section else '') + close[0]!r}?)"
+
+
+def _strip_optional(tp: Any) -> Any:
+    """T for ``T | None``; tp otherwise."""
+    if _is_union(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """value converted to the field type tp, or ConfigError naming source and key."""
+    if tp is Any:
+        return value
+    if _is_union(tp):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        tp = _strip_optional(tp)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if tp is DatasetSpec and isinstance(value, str):  # shorthand: a bare prefix means weight 1
+            value = {"path": value}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping of keys, got {value!r}.")
+        return _build(tp, value, prefix=f"{key}.", source=source)
+    if typing.get_origin(tp) is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key}: expected a list, got {value!r}.")
+        return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: {key}: expected true or false, got {value!r}.")
+    if tp is int:
+        number = _number(value)
+        if number is None or number != int(number):
+            raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}.")
+        return int(number)
+    if tp is float:
+        number = _number(value)
+        if number is None:
+            raise ConfigError(f"{source}: {key}: expected a number, got {value!r}.")
+        return float(number)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{source}: {key}: expected a string, got {value!r}.")
+    raise ConfigError(f"{source}: {key}: field type {tp!r} is not supported by the loader.")  # schema bug
+
+
+def _number(value: Any) -> float | int | None:
+    """value as int/float, accepting numeric strings (YAML 1.1 reads 1e-4 as a string); None if not numeric."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            number = float(text)
+        except ValueError:
+            return None
+        return number if number == number and abs(number) != float("inf") else None
+    return None

@@ -1,0 +1,261 @@
+"""Cross-field validation of a Config: one ConfigError/DataError for a fatal problem, warnings for the rest.
+
+Order of the checks (the first failure is the one reported):
+
+1. choices (``_CHOICES``) and ranges (``_RANGES``): tables of dotted key -> allowed values / predicate, so
+   adding a rule is one line and the message always names the key;
+2. data: dataset prefixes and the tokenizer. A dataset missing on this machine is an error only with
+   ``require_data`` (``train``); ``check`` passes False and gets a warning, since seed paths are cluster paths.
+   All datasets must share one tokenizer (manifest sha256), equal to ``data.tokenizer`` when that is set, and
+   ``model.vocab_size`` must not be smaller than the tokenizer's vocabulary;
+3. arithmetic: ``config.derived.derive`` (parallel degrees vs world size, the batch identity, the model's own
+   checks in ``resolve_model_args``);
+4. model vs parallel layout: heads and KV heads divisible by tensor_parallel, enough layers for the pipeline
+   stages, sequence length divisible by 2 x context_parallel;
+5. advice: settings that are legal but have no effect or look unintended become warning strings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import operator
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llmtrain.config.derived import Derived, derive
+from llmtrain.config.schema import Config
+from llmtrain.errors import ConfigError, DataError
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "train.decay_style": ("cosine", "linear", "constant", "wsd"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.optimizer": ("adamw",),
+    "train.optimizer_impl": ("auto", "fused", "foreach", "single"),
+    "run.device_target": ("auto", "cpu", "cuda", "npu"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
+    "model.position_embedding": (None, "rope", "alibi"),
+}
+_HINTS = {"run.device_target": " (in a config file Ascend, GPU and CPU are also accepted and mapped)"}
+
+_POS, _NONNEG = (lambda v: v > 0), (lambda v: v >= 0)
+_ONE_UP = lambda v: v >= 1  # noqa: E731
+_OPT = lambda rule: lambda v: v is None or rule(v)  # noqa: E731
+_RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("model.seq_length", _ONE_UP, "an integer >= 1"),
+    ("model.init_std", _POS, "a number > 0"),
+    ("model.partial_rotary_factor", _OPT(lambda v: 0 < v <= 1), "a number in (0, 1]"),
+    ("train.max_steps", _ONE_UP, "an integer >= 1"),
+    ("train.epochs", _OPT(_ONE_UP), "an integer >= 1 or null"),
+    ("train.lr", _POS, "a number > 0"),
+    ("train.min_lr", _NONNEG, "a number >= 0"),
+    ("train.weight_decay", _NONNEG, "a number >= 0"),
+    ("train.beta1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("train.beta2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("train.eps", _POS, "a number > 0"),
+    ("train.warmup_steps", _NONNEG, "an integer >= 0"),
+    ("train.decay_steps", _OPT(_ONE_UP), "an integer >= 1 or null"),
+    ("train.wsd_decay_fraction", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("train.grad_clip_norm", _OPT(_NONNEG), "a number >= 0 or null"),
+    ("train.initial_loss_scale", _POS, "a number > 0"),
+    ("train.loss_scale_window", _ONE_UP, "an integer >= 1"),
+    ("train.label_smoothing", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("train.log_steps", _ONE_UP, "an integer >= 1"),
+    ("train.eval_steps", _NONNEG, "an integer >= 0"),
+    ("data.valid_fraction", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("data.num_workers", _NONNEG, "an integer >= 0"),
+    ("checkpoint.save_steps", _NONNEG, "an integer >= 0"),
+    ("checkpoint.keep_checkpoint_max", _ONE_UP, "an integer >= 1"),
+    ("eval.eval_iters", _ONE_UP, "an integer >= 1"),
+    ("run.dist_timeout_s", _ONE_UP, "an integer >= 1"),
+    ("run.threads", _OPT(_ONE_UP), "an integer >= 1 or null"),
+    ("parallel.micro_batch_num", _ONE_UP, "an integer >= 1"),
+    ("parallel.virtual_stages", _ONE_UP, "an integer >= 1"),
+    ("parallel.zero_stage", _OPT(lambda v: 0 <= v <= 3), "0, 1, 2, 3 or null"),
+    ("parallel.zero_level", _OPT(lambda v: 1 <= v <= 3), "1, 2, 3 or null"),
+    ("logging.peak_tflops", _OPT(_POS), "a number > 0 or null"),
+]
+
+
+def validate(cfg: Config, world_size: int = 1, require_data: bool = True) -> list[str]:
+    """Check cfg for world_size processes; raise ConfigError/DataError on the first problem, return warnings."""
+    return check_config(cfg, world_size, require_data)[1]
+
+
+def check_config(cfg: Config, world_size: int = 1, require_data: bool = True) -> tuple[Derived, list[str]]:
+    """:func:`validate` that also returns the Derived figures it computed (used by ``llmtrain check``)."""
+    _check_fields(cfg)
+    warnings: list[str] = []
+    vocab = _check_data(cfg, require_data, warnings)
+    derived = derive(cfg, world_size, vocab_size=vocab)
+    _check_layout(cfg, derived)
+    warnings += _advice(cfg, derived)
+    return derived, warnings
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    return operator.attrgetter(dotted)(cfg)
+
+
+def _check_fields(cfg: Config) -> None:
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            names = [a for a in allowed if a is not None]
+            close = difflib.get_close_matches(str(value).lower(), names, n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            shown = ", ".join(names) + (" or null" if None in allowed else "")
+            raise ConfigError(f"{key}: {value!r} is not one of {shown}{hint}{_HINTS.get(key, '')}.")
+    for key, ok, what in _RANGES:
+        value = _get(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"{key}: expected {what}, got {value!r}.")
+    train = cfg.train
+    if train.min_lr > train.lr:
+        raise ConfigError(
+            f"train.min_lr {train.min_lr} is larger than train.lr {train.lr}; it must be <= lr."
+        )
+    scale = train.loss_scale
+    if scale != "dynamic" and (isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0):
+        raise ConfigError(
+            f"train.loss_scale: expected 'dynamic' or a number > 0, got {scale!r} (write a fixed scale with a "
+            f"dot, e.g. 1.0e4: YAML reads 1e4 as a string)."
+        )
+    for i, spec in enumerate(cfg.data.datasets):
+        if not spec.path:
+            raise ConfigError(
+                f"data.datasets[{i}].path is empty: give the prefix written by `llmtrain prepare`."
+            )
+        if not spec.weight > 0:
+            raise ConfigError(f"data.datasets[{i}].weight: expected a number > 0, got {spec.weight!r}.")
+
+
+def _check_data(cfg: Config, require_data: bool, warnings: list[str]) -> int | None:
+    """Check datasets and tokenizer; return the tokenizer's vocabulary size when known."""
+    from llmtrain.data.manifest import manifest_path, read_manifest
+    from llmtrain.data.tokenizer import load_tokenizer
+
+    def missing(message: str) -> None:
+        if require_data:
+            raise DataError(message)
+        warnings.append(message + " `llmtrain train` will need it.")
+
+    if not cfg.data.datasets:
+        if require_data:
+            raise ConfigError("data.datasets is empty: give at least one {path: PREFIX, weight: W} entry.")
+        warnings.append("data.datasets is empty: `llmtrain train` needs at least one dataset.")
+    # (dataset key, tokenizer sha256, vocab, where) of every manifest found
+    found: list[tuple[str, str | None, int | None, str]] = []
+    for i, spec in enumerate(cfg.data.datasets):
+        key = f"data.datasets[{i}]"
+        files = [manifest_path(spec.path), Path(f"{spec.path}.bin"), Path(f"{spec.path}.idx")]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            missing(
+                f"{key}: dataset prefix {spec.path!r} is not on this machine (missing {', '.join(absent)})."
+            )
+        if manifest_path(spec.path).is_file():
+            tok = read_manifest(spec.path).get("tokenizer") or {}
+            found.append((key, tok.get("sha256"), tok.get("vocab_size"), f"{key} ({spec.path})"))
+    for key, sha, _, _ in found[1:]:
+        if sha != found[0][1]:
+            raise ConfigError(
+                f"{key} was tokenized with a different tokenizer (sha256 {str(sha)[:12]}...) than "
+                f"{found[0][3]} (sha256 {str(found[0][1])[:12]}...); every dataset of a run must share one "
+                f"tokenizer. Re-prepare one of them with the other's tokenizer."
+            )
+    vocab, vocab_from = (found[0][2], found[0][3]) if found else (None, "")
+    if cfg.data.tokenizer:
+        if not Path(cfg.data.tokenizer).is_file():
+            missing(f"data.tokenizer {cfg.data.tokenizer!r} does not exist on this machine.")
+        else:
+            tokenizer = load_tokenizer(cfg.data.tokenizer)
+            if found and tokenizer.sha256 != found[0][1]:
+                raise ConfigError(
+                    f"data.tokenizer {cfg.data.tokenizer!r} (sha256 {tokenizer.sha256[:12]}...) is not the "
+                    f"tokenizer {found[0][3]} was prepared with (sha256 {str(found[0][1])[:12]}...): its token "
+                    f"ids would be misread. Remove data.tokenizer to use the dataset's own, or re-prepare."
+                )
+            vocab, vocab_from = tokenizer.vocab_size, f"data.tokenizer {cfg.data.tokenizer!r}"
+    if vocab is not None and cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary {vocab} (from "
+            f"{vocab_from}): token ids >= {cfg.model.vocab_size} would index past the embedding. Set "
+            f"model.vocab_size >= {vocab} or remove it to take the tokenizer's."
+        )
+    return vocab
+
+
+def _check_layout(cfg: Config, d: Derived) -> None:
+    """Model shape vs the parallel degrees."""
+    args, dims = d.model_args, d.dims
+    assert dims is not None
+    tp, pp, cp = dims.tp, dims.pp, dims.cp
+    for key, value in (("model.num_heads", args.num_heads), ("model.num_kv_heads", args.num_kv_heads)):
+        if value % tp:
+            raise ConfigError(
+                f"{key} {value} is not divisible by parallel.tensor_parallel {tp}: each tensor-parallel rank "
+                f"must hold whole heads. Use a tensor_parallel that divides {value}."
+            )
+    ffn = getattr(args, "intermediate_size", None)
+    if isinstance(ffn, int) and ffn % tp:
+        raise ConfigError(
+            f"model.intermediate_size {ffn} is not divisible by parallel.tensor_parallel {tp} (the MLP is "
+            f"split by columns across tensor-parallel ranks)."
+        )
+    stages = pp * cfg.parallel.virtual_stages
+    if args.num_layers < stages:
+        raise ConfigError(
+            f"model.num_layers {args.num_layers} is fewer than the pipeline stages: pipeline_parallel {pp} x "
+            f"virtual_stages {cfg.parallel.virtual_stages} = {stages}; every stage needs at least one layer."
+        )
+    if cp > 1 and cfg.model.seq_length % (2 * cp):
+        raise ConfigError(
+            f"model.seq_length {cfg.model.seq_length} is not divisible by 2 x parallel.context_parallel "
+            f"{cp} = {2 * cp} (context parallelism splits each sequence into 2 x cp load-balanced chunks)."
+        )
+
+
+def _advice(cfg: Config, d: Derived) -> list[str]:
+    """Legal settings that have no effect or look unintended."""
+    p, t, dims = cfg.parallel, cfg.train, d.dims
+    assert dims is not None
+    out: list[str] = []
+    stage = p.effective_zero_stage()
+    if stage > 0 and d.data_parallel == 1:
+        out.append(f"ZeRO stage {stage} has no effect with a data-parallel size of 1.")
+    if p.enable_alltoall and dims.ep == 1:
+        out.append("parallel.enable_alltoall has no effect with expert_parallel 1 (it is for MoE dispatch).")
+    if dims.ep > 1:
+        out.append(f"parallel.expert_parallel {dims.ep} has no effect: the model config has no MoE layers.")
+    if d.model_args.vocab_size % dims.tp:
+        out.append(
+            f"vocabulary {d.model_args.vocab_size} is not divisible by tensor_parallel {dims.tp}: the embedding "
+            "and output shards are uneven (slower); pad model.vocab_size to a multiple."
+        )
+    if dims.pp > 1:
+        if p.micro_batch_num < dims.pp:
+            out.append(
+                f"parallel.micro_batch_num {p.micro_batch_num} < pipeline_parallel {dims.pp}: 1F1B-style "
+                f"schedules need at least one micro-batch per stage, and fewer leave most stages idle."
+            )
+        if d.grad_accum % p.micro_batch_num:
+            out.append(
+                f"gradient accumulation {d.grad_accum} is not a multiple of parallel.micro_batch_num "
+                f"{p.micro_batch_num} (the micro-batches fed to the pipeline per schedule step)."
+            )
+    elif p.micro_batch_interleave:
+        out.append("parallel.micro_batch_interleave has no effect without pipeline parallelism.")
+    if t.warmup_steps >= t.max_steps:
+        out.append(
+            f"train.warmup_steps {t.warmup_steps} >= train.max_steps {t.max_steps}: the learning rate never "
+            f"reaches train.lr {t.lr}."
+        )
+    elif t.decay_steps is not None and t.warmup_steps + t.decay_steps > t.max_steps:
+        out.append(
+            f"train.warmup_steps + train.decay_steps = {t.warmup_steps + t.decay_steps} > train.max_steps "
+            f"{t.max_steps}: training stops before the learning rate reaches train.min_lr."
+        )
+    if t.loss_scale != "dynamic" and t.precision != "fp16":
+        out.append(f"train.loss_scale {t.loss_scale!r} is used only with train.precision fp16.")
+    return out

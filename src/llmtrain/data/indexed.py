@@ -1,0 +1,189 @@
+"""Megatron-LM compatible token shards: ``PREFIX.bin`` (raw token ids) and ``PREFIX.idx`` (the index).
+
+The byte layout is Megatron's ``MMIDIDX`` format (megatron/core/datasets/indexed_dataset.py), so shards written
+here are read by Megatron-LM and MindFormers, and theirs by us. All integers are little-endian:
+
+    .idx   9 bytes   magic b"MMIDIDX\\x00\\x00"
+           <Q        version, always 1
+           <B        dtype code of the .bin tokens (Megatron's codes, see DTYPE_CODES)
+           <Q        S = number of sequences
+           <Q        C = number of entries of document_indices (= documents + 1, it starts with a 0)
+           int32[S]  sequence lengths in tokens
+           int64[S]  sequence pointers: byte offset of each sequence in .bin
+           int64[C]  document_indices: 0, then the sequence count after each document
+    .bin   the sequences' tokens back to back in the dtype, no header.
+
+``prepare`` writes one sequence per document, so ``document_indices`` is ``0, 1, ..., n``; the reader accepts
+multi-sequence documents as written by Megatron's sentence-split preprocessing. Reading is a memory map: a
+sequence is a zero-copy numpy view of the ``.bin`` file.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from llmtrain.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # = 34
+
+# Megatron's DType enum: numpy dtype -> code stored in the header.
+DTYPE_CODES: dict[np.dtype, int] = {
+    np.dtype(np.uint8): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(np.int16): 3,
+    np.dtype(np.int32): 4,
+    np.dtype(np.int64): 5,
+    np.dtype(np.float64): 6,
+    np.dtype(np.float32): 7,
+    np.dtype(np.uint16): 8,
+}
+CODE_DTYPES: dict[int, np.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
+
+
+def optimal_dtype(vocab_size: int) -> np.dtype:
+    """Megatron's choice: uint16 when ``vocab_size < 65500``, else int32."""
+    return np.dtype(np.uint16) if vocab_size is not None and vocab_size < 65500 else np.dtype(np.int32)
+
+
+def bin_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+def idx_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+class IndexedDatasetWriter:
+    """Stream documents into ``PREFIX.bin``; ``finalize()`` writes ``PREFIX.idx``.
+
+    Equivalent, byte for byte, to Megatron's ``IndexedDatasetBuilder`` fed ``add_document(tokens, [len])`` per
+    document followed by ``finalize``.
+    """
+
+    def __init__(self, prefix: str, dtype: np.dtype):
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype {self.dtype} has no Megatron code; use one of {list(DTYPE_CODES)}")
+        self._limit = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
+        self._bin = open(bin_path(self.prefix), "wb")  # noqa: SIM115 (closed in finalize)
+        self._lengths: list[int] = []
+        self.num_tokens = 0
+
+    def add_document(self, tokens) -> None:
+        """Append one document (a sequence of token ids) as one sequence."""
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
+        if arr.size and self._limit is not None and (int(arr.max()) > self._limit or int(arr.min()) < 0):
+            raise DataError(
+                f"Token id {int(arr.max())} does not fit the shard dtype {self.dtype} of '{self.prefix}.bin'; "
+                f"the tokenizer's vocabulary is larger than the dtype chosen for it."
+            )
+        self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._lengths.append(int(arr.size))
+        self.num_tokens += int(arr.size)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._lengths)
+
+    def close(self) -> None:
+        """Close ``.bin`` without writing the index (used when a prepare fails half way)."""
+        self._bin.close()
+
+    def finalize(self) -> None:
+        """Close ``.bin`` and write ``.idx``."""
+        self._bin.close()
+        lengths = np.asarray(self._lengths, dtype=np.int64)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
+        doc_indices = np.arange(len(lengths) + 1, dtype=np.int64)
+        with open(idx_path(self.prefix), "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", DTYPE_CODES[self.dtype]))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(doc_indices)))
+            f.write(lengths.astype(np.int32).tobytes(order="C"))
+            f.write(pointers.tobytes(order="C"))
+            f.write(doc_indices.tobytes(order="C"))
+
+
+class IndexedDataset:
+    """Memory-mapped reader of ``PREFIX.bin`` / ``PREFIX.idx``; ``ds[i]`` is sequence ``i`` as a numpy view."""
+
+    def __init__(self, prefix: str):
+        self.prefix = str(prefix)
+        ipath, bpath = idx_path(prefix), bin_path(prefix)
+        for p in (ipath, bpath):
+            if not p.is_file():
+                raise DataError(
+                    f"Dataset prefix '{prefix}' has no '{p}'. A dataset is PREFIX.bin + PREFIX.idx as written by "
+                    f"`llmtrain prepare --output PREFIX` (or Megatron-LM's preprocess_data.py)."
+                )
+        raw = np.memmap(ipath, dtype=np.uint8, mode="r")
+        if raw.size < HEADER_BYTES or bytes(raw[: len(MAGIC)]) != MAGIC:
+            raise DataError(f"'{ipath}' is not a Megatron MMIDIDX index (bad magic or truncated header).")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", bytes(raw[len(MAGIC) : HEADER_BYTES]))
+        if version != VERSION or code not in CODE_DTYPES:
+            raise DataError(
+                f"'{ipath}' has index version {version} / dtype code {code}; expected version 1 "
+                f"and one of Megatron's dtype codes {sorted(CODE_DTYPES)}."
+            )
+        expected = HEADER_BYTES + n_seq * (4 + 8) + n_doc * 8
+        if raw.size < expected:
+            raise DataError(f"'{ipath}' is truncated: {raw.size} bytes, its header needs {expected}.")
+        self.dtype: np.dtype = CODE_DTYPES[code]
+        off = HEADER_BYTES
+        self.sizes: np.ndarray = np.frombuffer(raw, dtype=np.int32, count=n_seq, offset=off)  # [S]
+        off += 4 * n_seq
+        self.pointers: np.ndarray = np.frombuffer(raw, dtype=np.int64, count=n_seq, offset=off)  # [S]
+        off += 8 * n_seq
+        self.document_indices: np.ndarray = np.frombuffer(raw, dtype=np.int64, count=n_doc, offset=off)  # [C]
+        self._idx_map = raw
+        n_bytes = bpath.stat().st_size
+        need = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n_seq else 0
+        if n_bytes < need:
+            raise DataError(f"'{bpath}' is truncated: {n_bytes} bytes, its index needs {need}.")
+        # [N] all tokens, a plain ndarray view of the memory map (indexing a np.memmap subclass is slower);
+        # np.memmap refuses empty files, so an empty dataset gets an empty array.
+        self.tokens: np.ndarray = (
+            np.memmap(bpath, dtype=self.dtype, mode="r", shape=(n_bytes // self.dtype.itemsize,)).view(
+                np.ndarray
+            )
+            if n_bytes
+            else np.zeros(0, dtype=self.dtype)
+        )
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(self.pointers[i]) // self.dtype.itemsize
+        return self.tokens[start : start + int(self.sizes[i])]
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``offset : offset + length`` of sequence ``i`` (to its end when ``length`` is None)."""
+        size = int(self.sizes[i])
+        if length is None:
+            length = size - offset
+        start = int(self.pointers[i]) // self.dtype.itemsize + offset
+        return self.tokens[start : start + length]
+
+    @property
+    def num_documents(self) -> int:
+        return max(len(self.document_indices) - 1, 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sizes.sum(dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return f"IndexedDataset({self.prefix!r}, sequences={len(self)}, dtype={self.dtype})"

@@ -1,0 +1,233 @@
+"""From ``cfg.data`` to this rank's micro-batches: dataset splits, the blend, and the stateful batch iterator.
+
+:func:`build_datasets` opens every ``data.datasets`` prefix (memory-mapped ``.bin/.idx`` plus its manifest),
+checks that the files match the manifest and that all datasets share one tokenizer, splits each dataset's
+*documents* into train and validation (a fixed pseudo-random choice that does not depend on ``train.seed``, so
+validation losses stay comparable across seeds; no document is in both), and returns two
+:class:`~llmtrain.data.samples.BlendedSamples`.
+
+:class:`BatchIterator` turns the global sample order into batches. The order never depends on the data-parallel
+layout: step ``s`` covers global samples ``[s*GB, (s+1)*GB)``; rank ``r`` of ``D`` takes the contiguous slice
+``[r*GB/D, (r+1)*GB/D)`` of them, cut into micro-batches. Its whole state is ``consumed_samples`` plus a
+fingerprint of the data (manifests, seq_length, seed, weights, valid_fraction), so a run resumes exactly, even
+with another DP size, and refuses to resume on different data.
+
+A batch is a dict of int64 tensors, each ``[B, T]``: ``input_ids``, ``labels`` (inputs shifted by one),
+``position_ids`` (restart at 0 after each EOS) and ``document_ids`` (increment after each EOS), the last two
+for document-masked attention.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmtrain.data.indexed import IndexedDataset, bin_path, idx_path
+from llmtrain.data.manifest import manifest_path, read_manifest
+from llmtrain.data.samples import BlendedSamples, TokenWindows
+from llmtrain.errors import ConfigError, DataError
+
+__all__ = [
+    "BatchIterator",
+    "BlendedSamples",
+    "TokenWindows",
+    "build_datasets",
+    "make_batch",
+    "split_documents",
+]
+
+SPLIT_SEED = 0x5EED  # the train/valid split is fixed per dataset, independent of train.seed
+
+
+def split_documents(
+    dataset: IndexedDataset, valid_fraction: float, seq_length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted sequence ids of the (train, valid) documents.
+
+    ``ceil(valid_fraction * documents)`` documents go to validation, chosen by a fixed permutation; when those
+    hold fewer than ``seq_length + 1`` tokens, more are added (if training keeps enough) so validation has at
+    least one window. A multi-sequence Megatron document contributes all its sequences to the same side.
+    """
+    doc_index = dataset.document_indices  # [C] = 0, end of doc 0, end of doc 1, ...
+    n_docs = dataset.num_documents
+    cum = np.concatenate([[0], np.cumsum(dataset.sizes, dtype=np.int64)])
+    doc_tokens = cum[doc_index[1:]] - cum[doc_index[:-1]]  # [n_docs]
+    perm = np.random.default_rng(SPLIT_SEED).permutation(n_docs)
+    n_valid = min(math.ceil(valid_fraction * n_docs), n_docs - 1) if valid_fraction > 0 else 0
+    if n_valid > 0:
+        cum_valid = np.cumsum(doc_tokens[perm])
+        need = int(np.searchsorted(cum_valid, seq_length + 1, side="left")) + 1
+        if need < n_docs and cum_valid[-1] - cum_valid[need - 1] >= seq_length + 1:
+            n_valid = max(n_valid, need)
+    is_valid = np.zeros(n_docs, dtype=bool)
+    is_valid[perm[:n_valid]] = True
+    return _sequences(doc_index, ~is_valid), _sequences(doc_index, is_valid)
+
+
+def _sequences(doc_index: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """Sequence ids of the chosen documents, in order."""
+    starts, ends = doc_index[:-1][chosen], doc_index[1:][chosen]
+    if np.all(ends - starts == 1):
+        return starts.astype(np.int64)
+    return np.concatenate(
+        [np.arange(s, e, dtype=np.int64) for s, e in zip(starts, ends)] or [np.zeros(0, np.int64)]
+    )
+
+
+def _open(prefix: str, where: str) -> tuple[IndexedDataset, dict]:
+    """Dataset and manifest of ``prefix`` (named ``where`` in the config), checked against each other."""
+    if not any(p.exists() for p in (bin_path(prefix), idx_path(prefix), manifest_path(prefix))):
+        raise DataError(
+            f"{where} = '{prefix}': no dataset at this prefix ({prefix}.bin, {prefix}.idx and "
+            f"{prefix}.manifest.json are missing). Create it with `llmtrain prepare --output {prefix} ...` or fix "
+            f"the path (relative paths are relative to the working directory)."
+        )
+    manifest = read_manifest(prefix)
+    dataset = IndexedDataset(prefix)
+    expected = manifest["files"]["bin"]["bytes"]
+    actual = bin_path(prefix).stat().st_size
+    if (
+        actual != expected
+        or dataset.num_tokens != manifest["tokens"]
+        or dataset.dtype.name != manifest["dtype"]
+    ):
+        raise DataError(
+            f"{where} = '{prefix}': the .bin/.idx files do not match the manifest ({actual} bytes and "
+            f"{dataset.num_tokens} {dataset.dtype.name} tokens on disk, the manifest says {expected} bytes and "
+            f"{manifest['tokens']} {manifest['dtype']} tokens). The files were changed or copied incompletely; "
+            f"run prepare again."
+        )
+    return dataset, manifest
+
+
+def build_datasets(cfg: Any) -> tuple[BlendedSamples, BlendedSamples]:
+    """(train, valid) blends from ``cfg.data.datasets``, ``cfg.model.seq_length``, ``cfg.train.seed`` and
+    ``cfg.data.valid_fraction``. Valid sources too small for one window are left out of the valid blend."""
+    specs = cfg.data.datasets
+    if not specs:
+        raise ConfigError(
+            "data.datasets is empty: list at least one {path: PREFIX, weight: W} made by prepare."
+        )
+    seq_length, seed = int(cfg.model.seq_length), int(cfg.train.seed)
+    valid_fraction = float(cfg.data.valid_fraction)
+    if not 0.0 <= valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction = {valid_fraction}: it must be in [0, 1).")
+    train, valid, weights, valid_weights = [], [], [], []
+    tokenizer_sha = None
+    for i, spec in enumerate(specs):
+        prefix = spec["path"] if isinstance(spec, dict) else spec.path
+        weight = float(spec.get("weight", 1.0) if isinstance(spec, dict) else spec.weight)
+        where = f"data.datasets[{i}].path"
+        if not weight > 0:
+            raise ConfigError(f"data.datasets[{i}].weight = {weight}: blend weights must be positive.")
+        dataset, manifest = _open(str(prefix), where)
+        sha = manifest["tokenizer"]["sha256"]
+        if tokenizer_sha is not None and sha != tokenizer_sha:
+            raise DataError(
+                f"{where} = '{prefix}' was tokenized with another tokenizer than data.datasets[0] (sha256 "
+                f"{sha[:12]} vs {tokenizer_sha[:12]}); blended datasets must share one tokenizer."
+            )
+        tokenizer_sha = sha
+        eos_id = manifest["tokenizer"]["eos_id"]
+        train_ids, valid_ids = split_documents(dataset, valid_fraction, seq_length)
+        source = TokenWindows(dataset, train_ids, seq_length, seed, eos_id=eos_id)
+        if len(source) == 0:
+            raise DataError(
+                f"{where} = '{prefix}' has {source.num_tokens} training tokens, fewer than model.seq_length + 1 "
+                f"= {seq_length + 1}: not one sample. Add data or lower model.seq_length."
+            )
+        train.append(source)
+        weights.append(weight)
+        held_out = TokenWindows(dataset, valid_ids, seq_length, seed, eos_id=eos_id)
+        if len(held_out) > 0:
+            valid.append(held_out)
+            valid_weights.append(weight)
+    meta = {"valid_fraction": valid_fraction, "seq_length": seq_length}
+    return (
+        BlendedSamples(train, weights, seed, meta={**meta, "split": "train"}),
+        BlendedSamples(valid, valid_weights, seed, meta={**meta, "split": "valid"}),
+    )
+
+
+def make_batch(tokens: np.ndarray, eos_ids: np.ndarray) -> dict[str, torch.Tensor]:
+    """Batch tensors from windows ``tokens`` [B, T+1] and each row's EOS id ``eos_ids`` [B] (-1: none)."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [B, T]
+    is_eos = inputs == eos_ids[:, None]  # [B, T]
+    document_ids = np.cumsum(is_eos, axis=1) - is_eos  # EOS belongs to the document it ends
+    steps = np.arange(inputs.shape[1])  # [T]
+    starts = np.zeros_like(inputs)  # [B, T] index of each token's document start
+    starts[:, 1:] = np.where(is_eos[:, :-1], steps[1:], 0)
+    position_ids = steps - np.maximum.accumulate(starts, axis=1)
+    return {
+        "input_ids": torch.from_numpy(np.ascontiguousarray(inputs)),
+        "labels": torch.from_numpy(np.ascontiguousarray(labels)),
+        "position_ids": torch.from_numpy(position_ids.astype(np.int64)),
+        "document_ids": torch.from_numpy(document_ids.astype(np.int64)),
+    }
+
+
+class BatchIterator:
+    """This rank's micro-batches, step by step, from a global sample order shared by all ranks."""
+
+    def __init__(
+        self,
+        samples: BlendedSamples,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        consumed_samples: int = 0,
+    ):
+        if global_batch_size % dp_size:
+            raise ConfigError(
+                f"train.batch_size = {global_batch_size} is not divisible by the data-parallel size "
+                f"{dp_size}; use a multiple of it."
+            )
+        per_rank = global_batch_size // dp_size
+        if micro_batch_size < 1 or per_rank % micro_batch_size:
+            raise ConfigError(
+                f"train.micro_batch_size = {micro_batch_size} does not divide the {per_rank} samples "
+                f"per rank and step (train.batch_size {global_batch_size} / data parallel {dp_size})."
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+        self.samples = samples
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = int(consumed_samples)
+        self._eos = np.asarray(
+            [-1 if s.eos_id is None else s.eos_id for s in samples.sources], dtype=np.int64
+        )
+
+    def rank_indices(self) -> range:
+        """Global sample indices this rank reads at the next step."""
+        per_rank = self.global_batch_size // self.dp_size
+        start = self.consumed_samples + self.dp_rank * per_rank
+        return range(start, start + per_rank)
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the next global step; advances ``consumed_samples`` by the global batch."""
+        indices = self.rank_indices()
+        batches = []
+        for m in range(0, len(indices), self.micro_batch_size):
+            picked = [self.samples.sample(g) for g in indices[m : m + self.micro_batch_size]]
+            tokens = np.stack([window for _, window in picked])  # [B, T+1]
+            batches.append(make_batch(tokens, self._eos[[source for source, _ in picked]]))
+        self.consumed_samples += self.global_batch_size
+        return batches
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "fingerprint": self.samples.fingerprint}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("fingerprint") != self.samples.fingerprint:
+            raise DataError(
+                f"The checkpoint's data state was saved for other data (fingerprint {sd.get('fingerprint')!r}, "
+                f"this run's is {self.samples.fingerprint!r}): the datasets, their weights, model.seq_length, "
+                f"train.seed or data.valid_fraction changed. Restore them, or start without resuming the data state."
+            )
+        self.consumed_samples = int(sd["consumed_samples"])

@@ -1,0 +1,106 @@
+"""``PREFIX.manifest.json``: what a token dataset is, so it is self-contained and verifiable.
+
+A dataset prefix names four files: ``PREFIX.bin``, ``PREFIX.idx`` (Megatron format, see ``indexed``),
+``PREFIX.tokenizer.json`` or ``PREFIX.tokenizer.model`` (a copy of the tokenizer) and this manifest::
+
+    {"format": "llmtrain.tokens", "version": 1,
+     "tokenizer": {"file", "kind": "hf"|"sentencepiece", "sha256", "vocab_size", "eos_id", "bos_id"},
+     "dtype": "uint16"|"int32", "documents": n, "tokens": n,
+     "files": {"bin": {"name", "bytes", "sha256"}, "idx": {...}},
+     "inputs": [...], "created_by": "llmtrain <version>"}
+
+The manifest is written last and atomically by ``prepare``: its presence means the shard is complete. Its
+checksums feed the loader's fingerprint (a resumed run must read the same tokens). File names inside it are
+relative to the manifest's folder, so a dataset folder can be moved or copied as a whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from llmtrain.errors import DataError
+
+FORMAT = "llmtrain.tokens"
+VERSION = 1
+TOKENIZER_SUFFIXES = (".tokenizer.json", ".tokenizer.model")
+REQUIRED_KEYS = ("format", "version", "tokenizer", "dtype", "documents", "tokens", "files")
+
+
+def manifest_path(prefix: str) -> Path:
+    """``PREFIX.manifest.json``."""
+    return Path(f"{prefix}.manifest.json")
+
+
+def read_manifest(prefix: str) -> dict:
+    """The manifest of dataset ``prefix``; DataError naming the prefix if it is missing or invalid."""
+    path = manifest_path(prefix)
+    if not path.is_file():
+        raise DataError(
+            f"Dataset prefix '{prefix}' has no manifest '{path}'. Create the dataset with `llmtrain prepare "
+            f"--output {prefix} ...` (a missing manifest also means an interrupted prepare: run it again)."
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(
+            f"Manifest '{path}' of dataset '{prefix}' is not valid JSON ({e}); run prepare again."
+        ) from None
+    missing = [k for k in REQUIRED_KEYS if not isinstance(manifest, dict) or k not in manifest]
+    if missing or manifest.get("format") != FORMAT:
+        raise DataError(
+            f"Manifest '{path}' of dataset '{prefix}' is not an {FORMAT} manifest (missing keys: "
+            f"{', '.join(missing) or 'none'}; format: {manifest.get('format') if isinstance(manifest, dict) else None!r})."
+        )
+    if manifest["version"] != VERSION:
+        raise DataError(
+            f"Manifest '{path}' has version {manifest['version']}; this llmtrain reads version {VERSION}."
+        )
+    return manifest
+
+
+def tokenizer_path(prefix: str) -> Path:
+    """The tokenizer copy next to the shard: the manifest's ``tokenizer.file``, else whichever copy exists."""
+    folder = Path(f"{prefix}").parent
+    if manifest_path(prefix).is_file():
+        name = read_manifest(prefix)["tokenizer"].get("file")
+        if name:
+            return folder / name
+    for suffix in TOKENIZER_SUFFIXES:
+        candidate = Path(f"{prefix}{suffix}")
+        if candidate.is_file():
+            return candidate
+    raise DataError(
+        f"Dataset prefix '{prefix}' has no tokenizer copy ({' or '.join('PREFIX' + s for s in TOKENIZER_SUFFIXES)}); "
+        f"run `llmtrain prepare` again or set data.tokenizer."
+    )
+
+
+def tokenizer_copy_name(prefix: str, source: str) -> str:
+    """File name of the tokenizer copy for a tokenizer file ``source``: ``<name>.tokenizer.json|.model``."""
+    suffix = ".tokenizer.model" if str(source).endswith(".model") else ".tokenizer.json"
+    return Path(f"{prefix}{suffix}").name
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write ``obj`` as indented JSON to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def fingerprint_fields(manifest: dict) -> dict:
+    """The parts of a manifest that identify its tokens (not its location or input paths)."""
+    tok = manifest["tokenizer"]
+    files = manifest["files"]
+    return {
+        "tokenizer_sha256": tok.get("sha256"),
+        "vocab_size": tok.get("vocab_size"),
+        "eos_id": tok.get("eos_id"),
+        "dtype": manifest["dtype"],
+        "documents": manifest["documents"],
+        "tokens": manifest["tokens"],
+        "bin_sha256": files.get("bin", {}).get("sha256"),
+        "idx_sha256": files.get("idx", {}).get("sha256"),
+    }

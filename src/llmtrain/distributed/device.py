@@ -1,0 +1,51 @@
+"""Devices: cpu (gloo), cuda (nccl), npu (Ascend, torch_npu + hccl, imported only when asked for).
+
+``run.device_target`` accepts the seed's spellings too (Ascend -> npu, GPU -> cuda, CPU -> cpu). ``auto`` picks
+cuda when a CUDA device is present, else cpu (an Ascend machine says npu explicitly, so torch_npu is never
+imported by surprise).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from llmtrain.errors import ConfigError
+
+ALIASES = {"ascend": "npu", "npu": "npu", "gpu": "cuda", "cuda": "cuda", "cpu": "cpu", "auto": "auto"}
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def normalize_device_target(target: str) -> str:
+    """Map a config spelling to cpu / cuda / npu / auto; ConfigError for anything else."""
+    key = str(target).strip().lower()
+    if key not in ALIASES:
+        raise ConfigError(
+            f"run.device_target: {target!r} is not a known device; valid: auto, cpu, cuda (or GPU), npu (or Ascend)."
+        )
+    return ALIASES[key]
+
+
+def resolve_device(target: str) -> torch.device:
+    """The torch.device this process trains on (with the local rank's index on accelerators)."""
+    kind = normalize_device_target(target)
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("run.device_target is cuda but no CUDA device is visible; use cpu or auto.")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device)
+        except ImportError as e:
+            raise ConfigError(
+                "run.device_target is npu (Ascend) but torch_npu is not installed; install the torch_npu build "
+                "matching your CANN version, or use cpu/cuda."
+            ) from e
+        torch.npu.set_device(local_rank)
+        return torch.device("npu", local_rank)
+    return torch.device("cpu")

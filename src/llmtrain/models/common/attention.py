@@ -1,0 +1,138 @@
+"""Grouped-query self-attention through ``scaled_dot_product_attention``, with document masks and ALiBi.
+
+The mask is decided once per forward by :func:`build_attention_mask` and shared by all layers:
+
+* plain causal training / prefill: no tensor at all, ``is_causal=True`` so SDPA can pick flash kernels;
+* packed documents (``document_ids [B, T]``): a block-causal boolean mask ``[B, 1, T, T]`` (query i sees
+  key j iff j <= i and both carry the same document id);
+* incremental decoding with a KV cache: one new token needs no mask; a chunk of several new tokens after
+  cached ones gets an offset causal mask ``[1, 1, Tq, Tk]``;
+* ALiBi adds ``slope_h * (j - i)`` to the scores and -inf where the boolean mask forbids. Only the index
+  difference enters, so a document packed behind others gets the same bias as when it stands alone.
+
+The attention never trusts ``args.num_heads`` at run time: it infers the local number of query and key/value
+heads from the projected shapes, so a tensor-parallel plan that shards ``wq/wk/wv`` column-wise (and ``wo``
+row-wise) works unchanged. ALiBi's ``alibi_slopes`` buffer ``[num_heads]`` must then be sharded like the
+heads by that plan. GQA repeats each key/value head ``num_heads / num_kv_heads`` times (the Hugging Face
+``repeat_kv`` order: query head h reads kv head ``h // n_rep``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmtrain.models.common.args import TransformerArgs
+from llmtrain.models.common.kv_cache import KVCache
+from llmtrain.models.common.layers import RMSNorm
+from llmtrain.models.common.rope import alibi_slopes, apply_rope
+
+
+@dataclass
+class AttentionMask:
+    """How every layer masks attention in one forward (see the module docstring)."""
+
+    is_causal: bool
+    allowed: torch.Tensor | None = None
+    """Boolean ``[B or 1, 1, Tq, Tk]``; True where query i may attend to key j."""
+    rel_pos: torch.Tensor | None = None
+    """``[Tq, Tk]`` fp32 key index minus query index (ALiBi only)."""
+
+
+def build_attention_mask(
+    q_len: int,
+    past_len: int,
+    document_ids: torch.Tensor | None,
+    alibi: bool,
+    device: torch.device,
+) -> AttentionMask:
+    """Mask for ``q_len`` new queries after ``past_len`` cached keys (0 without a cache)."""
+    k_len = past_len + q_len
+    q_idx = torch.arange(past_len, k_len, device=device)  # absolute query positions [Tq]
+    k_idx = torch.arange(k_len, device=device)  # [Tk]
+    allowed: torch.Tensor | None = None
+    if document_ids is not None:
+        if past_len:
+            raise ValueError("document_ids cannot be combined with a KV cache that already holds tokens")
+        same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
+        allowed = (same_doc & (k_idx[None, :] <= q_idx[:, None]))[:, None]  # [B, 1, T, T]
+    elif (past_len > 0 or alibi) and q_len > 1:
+        allowed = (k_idx[None, :] <= q_idx[:, None])[None, None]  # [1, 1, Tq, Tk]
+    is_causal = allowed is None and q_len > 1
+    rel_pos = (k_idx[None, :] - q_idx[:, None]).float() if alibi else None
+    return AttentionMask(is_causal=is_causal, allowed=allowed, rel_pos=rel_pos)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, KV, S, hd] -> [B, KV * n_rep, S, hd], each kv head repeated n_rep times in place."""
+    if n_rep == 1:
+        return x
+    b, kv, s, hd = x.shape
+    return x[:, :, None].expand(b, kv, n_rep, s, hd).reshape(b, kv * n_rep, s, hd)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional qkv bias, QK-norm, (partial) RoPE or ALiBi, and a KV cache."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        d, hd = args.hidden_size, args.head_dim
+        self.head_dim = hd
+        self.rope_interleaved = args.rope_interleaved
+        self.wq = nn.Linear(d, args.num_heads * hd, bias=args.qkv_bias)
+        self.wk = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
+        self.wv = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.num_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
+        self.alibi = args.position_embedding == "alibi"
+        self.num_heads_total = args.num_heads
+        if self.alibi:
+            self.register_buffer("alibi_slopes", alibi_slopes(args.num_heads), persistent=False)
+
+    def reset_buffers(self, device: torch.device | None = None) -> None:
+        """Recompute the ALiBi slopes (non-persistent, so garbage after ``to_empty``)."""
+        if self.alibi:
+            self.alibi_slopes = alibi_slopes(self.num_heads_total, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: AttentionMask,
+        cache: KVCache | None = None,
+        layer_key: str = "",
+    ) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        hd = self.head_dim
+        q = self.wq(x).view(bsz, seqlen, -1, hd)  # [B, T, H_local, hd]
+        k = self.wk(x).view(bsz, seqlen, -1, hd)  # [B, T, KV_local, hd]
+        v = self.wv(x).view(bsz, seqlen, -1, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            cos, sin = rope
+            q = apply_rope(q, cos, sin, self.rope_interleaved)
+            k = apply_rope(k, cos, sin, self.rope_interleaved)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        if cache is not None:
+            k, v = cache.update(layer_key, k, v)  # [B, KV_local, past + T, hd]
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+
+        attn_mask: torch.Tensor | None = mask.allowed
+        if self.alibi:
+            assert mask.rel_pos is not None
+            slopes = self.alibi_slopes.to(device=q.device, dtype=torch.float32)
+            bias = slopes[:, None, None] * mask.rel_pos[None]  # [H_local, Tq, Tk]
+            if mask.allowed is not None:
+                bias = bias.masked_fill(~mask.allowed, float("-inf"))  # [B or 1, H_local, Tq, Tk]
+            attn_mask = bias.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=mask.is_causal and attn_mask is None
+        )  # [B, H_local, T, hd]
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # [B, T, H_local * hd]
+        return self.wo(out)

@@ -1,0 +1,203 @@
+"""Model families, their named flavors, and the resolution of a ``ModelConfig`` into ``TransformerArgs``.
+
+A :class:`FamilySpec` is plain data: the family's fixed switches and defaults, a table of flavors (each a
+partial ``TransformerArgs`` as a dict), and the module of its Hugging Face adapter. Resolution layers three
+sources, later ones winning: family defaults <- the named flavor <- every explicit (non-None) field of the
+config. Without a flavor the config must give at least ``hidden_size``, ``num_layers`` and ``num_heads``; the
+rest is derived (``num_kv_heads = num_heads``, ``head_dim = hidden_size / num_heads``, ``intermediate_size =
+ceil(8/3 * hidden_size)`` rounded up to a multiple of 256). The vocabulary comes from the config, else from the
+tokenizer, else from the flavor. Every inconsistency is a ``ConfigError`` naming the ``model.*`` key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from types import ModuleType
+from typing import Any
+
+from llmtrain.config.schema import ModelConfig
+from llmtrain.errors import ConfigError
+from llmtrain.models.common.args import TransformerArgs
+
+# ModelConfig fields copied onto TransformerArgs when set (same names on both sides).
+_OVERRIDABLE = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "position_embedding",
+    "partial_rotary_factor",
+    "qkv_bias",
+    "qk_norm",
+    "norm_head",
+    "tie_word_embeddings",
+)
+_ARG_FIELDS = {f.name for f in fields(TransformerArgs)}
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family: defaults shared by its flavors, the flavors, and its HF adapter module."""
+
+    name: str
+    defaults: dict[str, Any]
+    flavors: dict[str, dict[str, Any]]
+    hf: ModuleType | None = None
+    description: str = ""
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+    def flavor_args(self, flavor: str) -> TransformerArgs:
+        """The flavor's TransformerArgs without any config overrides (e.g. for parameter counts)."""
+        values = {"seq_length": 2048, **self.defaults, **self.flavors[flavor]}
+        return _finish({**values, "family": self.name, "flavor": flavor})
+
+
+def default_intermediate_size(hidden_size: int) -> int:
+    """ceil(8/3 * hidden_size) rounded up to a multiple of 256 (the SwiGLU width with ~4x MLP parameters)."""
+    return 256 * math.ceil(math.ceil(8 * hidden_size / 3) / 256)
+
+
+def normalize_rope_scaling(value: Any) -> dict[str, Any] | None:
+    """None, a number (linear factor) or a mapping -> the dict form ``TransformerArgs.rope_scaling`` holds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
+        raise ConfigError(
+            f"model.rope_scaling must be null, a number (linear factor) or a mapping like "
+            f"{{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
+            f"original_max_position_embeddings: 8192}}; got {value!r}."
+        )
+    if not isinstance(value, dict):
+        if value <= 0:
+            raise ConfigError(f"model.rope_scaling factor must be positive, got {value!r}.")
+        return {"rope_type": "linear", "factor": float(value)}
+    scaling = dict(value)
+    kind = (
+        scaling.pop("type", None)
+        or scaling.get("rope_type")
+        or ("llama3" if "low_freq_factor" in scaling else "linear")
+    )
+    scaling["rope_type"] = kind
+    needed = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }
+    if kind not in needed:
+        raise ConfigError(f"model.rope_scaling.rope_type {kind!r} is not supported; use linear or llama3.")
+    missing = [k for k in needed[kind] if k not in scaling]
+    if missing:
+        raise ConfigError(f"model.rope_scaling of type {kind} lacks {', '.join(missing)}.")
+    if kind == "llama3" and not float(scaling["high_freq_factor"]) > float(scaling["low_freq_factor"]):
+        raise ConfigError("model.rope_scaling.high_freq_factor must be larger than low_freq_factor.")
+    return scaling
+
+
+def resolve(spec: FamilySpec, cfg: ModelConfig, vocab_size: int | None) -> TransformerArgs:
+    """Family defaults <- flavor <- explicit config fields, validated (see the module docstring)."""
+    values: dict[str, Any] = dict(spec.defaults)
+    if cfg.flavor is not None:
+        if cfg.flavor not in spec.flavors:
+            raise ConfigError(
+                f"model.flavor {cfg.flavor!r} is not a flavor of {spec.name}; valid flavors: "
+                f"{', '.join(spec.flavors)}."
+            )
+        values.update(spec.flavors[cfg.flavor])
+    else:
+        missing = [
+            f"model.{k}" for k in ("hidden_size", "num_layers", "num_heads") if getattr(cfg, k) is None
+        ]
+        if missing:
+            raise ConfigError(
+                f"model.flavor is not set and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                f"missing: either name a flavor of {spec.name} ({', '.join(spec.flavors)}) or give "
+                "model.hidden_size, model.num_layers and model.num_heads."
+            )
+    for key in _OVERRIDABLE:
+        value = getattr(cfg, key)
+        if value is not None:
+            values[key] = value
+    if not cfg.use_rope:
+        if cfg.position_embedding not in (None, "alibi"):
+            raise ConfigError(
+                f"model.use_rope is false but model.position_embedding is {cfg.position_embedding!r}; "
+                "set model.position_embedding: alibi (the only position embedding besides rope)."
+            )
+        values["position_embedding"] = "alibi"
+    if values.get("position_embedding") == "alibi":
+        for key in ("rope_scaling", "partial_rotary_factor"):
+            if getattr(cfg, key) is not None:
+                raise ConfigError(
+                    f"model.{key} is set but model.position_embedding is alibi, which has no rotary "
+                    f"embedding; remove model.{key} or use position_embedding: rope."
+                )
+        values["rope_scaling"] = None
+    vocab = cfg.vocab_size if cfg.vocab_size is not None else vocab_size
+    if vocab is not None:
+        values["vocab_size"] = vocab
+    elif "vocab_size" not in values:
+        raise ConfigError(
+            "model.vocab_size is not set and no tokenizer vocabulary is known: set model.vocab_size or "
+            "data.tokenizer (or a dataset whose manifest names its tokenizer)."
+        )
+    values.update(family=spec.name, flavor=cfg.flavor, seq_length=cfg.seq_length, init_std=cfg.init_std)
+    return _finish(values)
+
+
+def _finish(values: dict[str, Any]) -> TransformerArgs:
+    """Fill derived fields, check every constraint, build the dataclass."""
+    for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "seq_length"):
+        _positive_int(values, key)
+    values.setdefault("num_kv_heads", values["num_heads"])
+    _positive_int(values, "num_kv_heads")
+    if values.get("head_dim") is None:
+        if values["hidden_size"] % values["num_heads"]:
+            raise ConfigError(
+                f"model.num_heads ({values['num_heads']}) must divide model.hidden_size "
+                f"({values['hidden_size']}) when model.head_dim is not set."
+            )
+        values["head_dim"] = values["hidden_size"] // values["num_heads"]
+    _positive_int(values, "head_dim")
+    if values.get("intermediate_size") is None:
+        values["intermediate_size"] = default_intermediate_size(values["hidden_size"])
+    _positive_int(values, "intermediate_size")
+    if values["num_heads"] % values["num_kv_heads"]:
+        raise ConfigError(
+            f"model.num_kv_heads ({values['num_kv_heads']}) must divide model.num_heads ({values['num_heads']})."
+        )
+    values["rope_scaling"] = normalize_rope_scaling(values.get("rope_scaling"))  # a copy, never shared
+    pe = values.get("position_embedding", "rope")
+    if pe not in ("rope", "alibi"):
+        raise ConfigError(f"model.position_embedding must be rope or alibi, got {pe!r}.")
+    partial = _positive_float(values, "partial_rotary_factor") if "partial_rotary_factor" in values else 1.0
+    rotary_dim = int(values["head_dim"] * partial)
+    if pe == "rope" and not (0 < partial <= 1 and rotary_dim >= 2 and rotary_dim % 2 == 0):
+        raise ConfigError(
+            f"model.partial_rotary_factor {partial} must be in (0, 1] and give an even number of rotated "
+            f"dimensions of model.head_dim {values['head_dim']} (got {rotary_dim})."
+        )
+    for key in ("rms_norm_eps", "rope_theta", "init_std", "partial_rotary_factor"):
+        if key in values:
+            values[key] = _positive_float(values, key)
+    unknown = set(values) - _ARG_FIELDS
+    if unknown:
+        raise ConfigError(f"unknown model argument(s) {', '.join(sorted(unknown))}.")
+    return TransformerArgs(**values)
+
+
+def _positive_int(values: dict[str, Any], key: str) -> None:
+    value = values.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"model.{key} must be a positive integer, got {value!r}.")
+
+
+def _positive_float(values: dict[str, Any], key: str) -> float:
+    value = values.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"model.{key} must be a positive number, got {value!r}.")
+    return float(value)

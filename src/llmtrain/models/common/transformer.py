@@ -1,0 +1,168 @@
+"""The decoder-only transformer shared by every family (single-device code; no ``torch.distributed``).
+
+Layout (torchtitan's names, which tensor-parallel plans and FSDP wrapping address from outside)::
+
+    tok_embeddings   nn.Embedding [vocab, dim]              (None on a pipeline stage without it)
+    rope             RotaryEmbedding (no parameters; None with ALiBi)
+    layers           nn.ModuleDict {"0": TransformerBlock, ..., "L-1": ...}
+        attention_norm, attention.{wq, wk, wv, wo[, q_norm, k_norm]}, ffn_norm, feed_forward.{w1, w2, w3}
+    norm             RMSNorm                                 (None on a non-last pipeline stage)
+    output           nn.Linear / NormHead [vocab, dim]       (None on a non-last pipeline stage)
+
+Life cycle: build on the meta device (``models.build_model``), let the parallel plans shard it, then
+``to_empty(device=...)`` and :meth:`Transformer.init_weights`. Initialisation is seeded per parameter from
+its name, so the same seed gives bitwise the same tensors whatever subset of layers a pipeline stage kept.
+
+``forward`` returns logits ``[B, T, vocab]`` (or hidden states when ``output`` is None); the loss lives in the
+trainer. With ``document_ids`` it masks attention across packed documents; with a :class:`KVCache` it
+processes only the new tokens and appends their keys/values.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from llmtrain.models.common.args import TransformerArgs
+from llmtrain.models.common.attention import Attention, AttentionMask, build_attention_mask
+from llmtrain.models.common.kv_cache import KVCache
+from llmtrain.models.common.layers import FeedForward, NormHead, RMSNorm
+from llmtrain.models.common.rope import RotaryEmbedding
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``."""
+
+    def __init__(self, args: TransformerArgs, layer_id: int) -> None:
+        super().__init__()
+        self.layer_key = str(layer_id)
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: AttentionMask,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache, self.layer_key)  # [B, T, dim]
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM of any supported family; see the module docstring for the layout."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rope: RotaryEmbedding | None = None
+        if args.position_embedding == "rope":
+            self.rope = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.rope_scaling)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output: nn.Linear | None = (
+            NormHead(args.hidden_size, args.vocab_size)
+            if args.norm_head
+            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share ``tok_embeddings.weight`` with ``output`` when the args tie them (and both exist here)."""
+        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Transformer:
+        """``nn.Module.to_empty`` that keeps tied embeddings tied (the base method allocates each separately)."""
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` for token ids ``[B, T]`` (hidden states ``[B, T, dim]`` on a stage
+        without ``tok_embeddings`` come in as ``input_ids`` and go out when ``output`` is None).
+
+        ``position_ids`` [B, T] or [T] default to ``past + arange(T)``; reset them per document together with
+        ``document_ids`` [B, T] to make each packed document see exactly what it would see alone.
+        """
+        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids  # [B, T, dim]
+        bsz, seqlen = h.shape[:2]
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + seqlen, device=h.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None].expand(bsz, seqlen)  # [B, T]
+        rope = self.rope(position_ids) if self.rope is not None else None
+        mask = build_attention_mask(
+            seqlen, past, document_ids, self.args.position_embedding == "alibi", h.device
+        )
+        for layer in self.layers.values():
+            h = layer(h, rope, mask, cache)
+        if cache is not None:
+            cache.advance(seqlen)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h  # [B, T, vocab]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
+        """Deterministic init, after ``to_empty``: the same seed gives bitwise the same weights.
+
+        Norm weights are ones, biases zeros, every other matrix ``normal(0, init_std)`` except the two that
+        write into the residual stream, ``attention.wo`` and ``feed_forward.w2``, which use
+        ``init_std / sqrt(2 * num_layers)`` (GPT-2's depth scaling, so the residual variance does not grow
+        with depth). Each parameter draws from its own generator seeded by ``(seed, parameter name)``, names
+        taken without activation-checkpoint / compile wrapper prefixes. Parameters already sharded as DTensors
+        (FSDP2, TP) are drawn in full and then distributed, so every parallel layout starts from the same
+        weights as one device. The non-persistent buffers (RoPE inverse frequencies, ALiBi slopes) are
+        recomputed on ``buffer_device`` (default: where the parameters live).
+        """
+        self.tie_weights()
+        std = self.args.init_std
+        residual_std = std / math.sqrt(2 * self.args.num_layers)
+        device = buffer_device
+        for raw_name, param in self.named_parameters():
+            device = device or param.device
+            if param.device.type == "meta":
+                continue
+            name = raw_name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                gen = torch.Generator(device=param.device)
+                gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+                residual = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+                _normal_(param, residual_std if residual else std, gen)
+        if self.rope is not None:
+            self.rope.reset_buffers(device)
+        for layer in self.layers.values():
+            layer.attention.reset_buffers(device)
+
+
+def _normal_(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill ``param`` from ``normal(0, std)``; a DTensor gets the slice of the full unsharded draw."""
+    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
+        # Lazy import: reached only once a parallel plan has turned parameters into DTensors.
+        from torch.distributed.tensor import distribute_tensor
+
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.device).normal_(
+            0.0, std, generator=gen
+        )
+        param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+    else:
+        param.normal_(0.0, std, generator=gen)

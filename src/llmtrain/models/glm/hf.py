@@ -1,0 +1,74 @@
+"""Hugging Face adapter for GLM-4 (``GlmForCausalLM``, as in THUDM/glm-4-9b-hf).
+
+The checkpoint stores the MLP's gate and up projections as one ``mlp.gate_up_proj`` ``[2 * ffn, hidden]``
+(gate rows first); we keep them apart as ``w1`` (gate) and ``w3`` (up) so a column-wise TP plan can shard
+them. Everything else is a rename; the interleaved partial RoPE is the same arithmetic on both sides.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from llmtrain.errors import ConfigError
+from llmtrain.models.common.args import TransformerArgs
+from llmtrain.models.common.hf_adapter import (
+    LLAMA_LAYER,
+    common_args_from_hf,
+    common_hf_config,
+    rename_from_hf,
+    rename_to_hf,
+)
+
+_FUSED = "feed_forward.w13.weight"
+GLM_LAYER = {
+    k: v for k, v in LLAMA_LAYER.items() if k not in ("feed_forward.w1.weight", "feed_forward.w3.weight")
+}
+GLM_LAYER[_FUSED] = "mlp.gate_up_proj.weight"
+_W1 = re.compile(r"^(layers\.\d+\.feed_forward\.)w1\.weight$")
+
+
+def _fuse(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
+    for key in [k for k in sd if _W1.match(k)]:
+        prefix = key[: -len("w1.weight")]
+        sd[prefix + "w13.weight"] = torch.cat([sd.pop(key), sd.pop(prefix + "w3.weight")], dim=0)
+    return sd
+
+
+def _split(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
+    for key in [k for k in sd if k.endswith(_FUSED)]:
+        prefix = key[: -len("w13.weight")]
+        gate, up = sd.pop(key).chunk(2, dim=0)  # [ffn, hidden] each
+        sd[prefix + "w1.weight"], sd[prefix + "w3.weight"] = gate, up
+    return sd
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
+    """HF ``GlmForCausalLM`` state dict -> ours (``gate_up_proj`` split into w1, w3)."""
+    return rename_from_hf(sd, GLM_LAYER, _split, args)
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
+    """Our state dict -> HF ``GlmForCausalLM`` names (w1, w3 concatenated into ``gate_up_proj``)."""
+    return rename_to_hf(sd, GLM_LAYER, _fuse, args)
+
+
+def to_hf_config(args: TransformerArgs) -> dict[str, Any]:
+    """config.json content that ``transformers.GlmConfig`` loads."""
+    if args.qk_norm or args.norm_head or args.position_embedding != "rope" or not args.rope_interleaved:
+        raise ConfigError("GlmForCausalLM needs interleaved RoPE and no qk_norm / norm_head / alibi.")
+    d = common_hf_config(args, "GlmForCausalLM", "glm")
+    d.update(attention_bias=args.qkv_bias, partial_rotary_factor=args.partial_rotary_factor)
+    return d
+
+
+def args_from_hf_config(d: dict[str, Any]) -> TransformerArgs:
+    """TransformerArgs of a HF ``glm`` config.json."""
+    args = common_args_from_hf(
+        d, "glm4", 10000.0, qkv_bias=bool(d.get("attention_bias", True)), rope_interleaved=True
+    )
+    if "partial_rotary_factor" not in d and "partial_rotary_factor" not in (d.get("rope_parameters") or {}):
+        args.partial_rotary_factor = 0.5  # GlmConfig's default
+    return args

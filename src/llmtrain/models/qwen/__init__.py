@@ -1,0 +1,79 @@
+"""Qwen2 (QKV bias) and Qwen3 (QK-norm, explicit head_dim) families.
+
+Both are Llama-shaped (RMSNorm eps 1e-6, RoPE theta 1,000,000, GQA, SwiGLU). Qwen2 adds a bias to the q/k/v
+projections; Qwen3 drops it and instead RMS-normalises each head's queries and keys before RoPE, with a
+head_dim (128) independent of hidden_size / num_heads. Small flavors tie the input and output embeddings, as
+the published checkpoints do. Published sizes (parameters, tied counted once):
+
+qwen2: 0.5b 494,032,768; 1.5b 1,543,714,304; 7b 7,615,616,512; 72b 72,706,203,648.
+qwen3: 0.6b 596,049,920; 1.7b 1,720,574,976; 4b 4,022,468,096; 8b 8,190,735,360;
+14b 14,768,307,200; 32b 32,762,123,264.
+"""
+
+from __future__ import annotations
+
+from llmtrain.models.common.family import FamilySpec
+from llmtrain.models.qwen import hf
+
+_QWEN_COMMON = {"rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+_DEBUG = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+}
+_DEMO = {
+    "hidden_size": 384,
+    "num_layers": 6,
+    "num_heads": 6,
+    "num_kv_heads": 2,
+    "intermediate_size": 1024,
+    "vocab_size": 8192,
+}
+
+
+def _shape(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, tied: bool) -> dict:
+    return {
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": kv,
+        "intermediate_size": ffn,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+    }
+
+
+QWEN2 = FamilySpec(
+    name="qwen2",
+    description="Qwen2: Llama-shaped with q/k/v bias",
+    defaults={**_QWEN_COMMON, "qkv_bias": True},
+    flavors={
+        "debug": dict(_DEBUG),
+        "demo": dict(_DEMO),
+        "0.5b": _shape(896, 24, 14, 2, 4864, 151936, tied=True),
+        "1.5b": _shape(1536, 28, 12, 2, 8960, 151936, tied=True),
+        "7b": _shape(3584, 28, 28, 4, 18944, 152064, tied=False),
+        "72b": _shape(8192, 80, 64, 8, 29568, 152064, tied=False),
+    },
+    hf=hf,
+)
+
+QWEN3 = FamilySpec(
+    name="qwen3",
+    description="Qwen3: Llama-shaped with per-head QK RMSNorm and explicit head_dim",
+    defaults={**_QWEN_COMMON, "qk_norm": True},
+    flavors={
+        "debug": {**_DEBUG, "head_dim": 32},
+        "demo": {**_DEMO, "head_dim": 64},
+        "0.6b": {**_shape(1024, 28, 16, 8, 3072, 151936, tied=True), "head_dim": 128},
+        "1.7b": {**_shape(2048, 28, 16, 8, 6144, 151936, tied=True), "head_dim": 128},
+        "4b": {**_shape(2560, 36, 32, 8, 9728, 151936, tied=True), "head_dim": 128},
+        "8b": {**_shape(4096, 36, 32, 8, 12288, 151936, tied=False), "head_dim": 128},
+        "14b": {**_shape(5120, 40, 40, 8, 17408, 151936, tied=False), "head_dim": 128},
+        "32b": {**_shape(5120, 64, 64, 8, 25600, 151936, tied=False), "head_dim": 128},
+    },
+    hf=hf,
+)

@@ -1,0 +1,166 @@
+"""Metrics sinks: ``metrics.jsonl``, TensorBoard, the console (a live progress bar with ETA), the loss plot.
+
+One JSON object per log step (and per validation) goes to ``<run_dir>/metrics.jsonl``, appended so that a resumed
+run continues the same file; rows of steps after the resume point left by a crashed run are dropped on resume so
+the file reads as one run. The console shows a rich progress bar when stdout is a terminal and plain lines
+otherwise (CI, log files). Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.config.schema import LoggingConfig
+
+# Peak dense bf16/fp16 FLOP/s per device used for MFU when logging.peak_tflops is not set (vendor datasheets).
+PEAK_TFLOPS = {"cuda": 989.0, "npu": 313.0, "cpu": 1.0}
+
+
+def memory_bytes(device_type: str) -> int:
+    """Peak memory of this process: max allocated on an accelerator, peak RSS on the CPU."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop rows with ``step`` greater than ``step`` (left by a run that crashed after its last checkpoint)."""
+    if not path.exists():
+        return
+    keep = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class MetricsLogger:
+    """Writes metrics rows to every enabled sink."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        cfg: LoggingConfig,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+    ):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.tb = None
+        self.progress = None
+        if not enabled:
+            return
+        truncate_after(self.path, start_step)
+        self._file = open(self.path, "a")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+        if cfg.progress_bar and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self.progress.start()
+        self._t0 = time.time()
+        self._start_step = start_step
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        step = int(row["step"])
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"train/{k}" if not k.startswith("val") else f"val/{k}", v, step)
+        line = self._format(row)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, info=line)
+        else:
+            print(line, flush=True)
+
+    def _format(self, row: dict[str, Any]) -> str:
+        parts = [f"step {row['step']}/{self.total_steps}"]
+        for key, fmt in (
+            ("loss", ".4f"),
+            ("val_loss", ".4f"),
+            ("val_ppl", ".2f"),
+            ("lr", ".3e"),
+            ("grad_norm", ".3f"),
+            ("loss_scale", ".0f"),
+            ("tokens_per_s", ",.0f"),
+            ("mfu", ".2%"),
+        ):
+            if key in row and row[key] is not None:
+                parts.append(f"{key} {row[key]:{fmt}}")
+        if "step" in row and "tokens_per_s" in row:
+            done = int(row["step"]) - self._start_step
+            if done > 0:
+                eta = (time.time() - self._t0) / done * (self.total_steps - int(row["step"]))
+                parts.append(f"eta {eta / 60:.1f} min")
+        return " | ".join(parts)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        self._file.close()
+
+
+def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path | None:
+    """Training and validation loss against step, from metrics.jsonl, as a PNG."""
+    rows = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x.strip()]
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if not train and not val:
+        return None
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5, ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+    return Path(out_png)

@@ -1,0 +1,230 @@
+"""The training loop, readable top to bottom.
+
+``Trainer(cfg)`` builds everything from the config (data, model on the meta device then materialized with a
+seeded init, optimizer, LR schedule, loss scaler, checkpointer, metrics) and resumes from a checkpoint when
+``checkpoint.resume`` says so; ``fit()`` runs the steps. One step::
+
+    lr <- schedule(step)
+    for each micro-batch of this rank:  loss_sum / tokens_in_global_batch -> (scaled) backward
+    unscale -> global grad norm (pre-clip, logged) -> skip the step if not finite, else clip + optimizer step
+
+The loss is normalised by the number of target tokens of the whole global batch (not averaged per micro-batch),
+so gradient accumulation and data parallelism compute exactly the single-process gradient. Validation,
+checkpointing and logging are components called from the loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.config import derive, save_config
+from llmtrain.config.schema import Config
+from llmtrain.data.loader import BatchIterator, build_datasets
+from llmtrain.data.manifest import read_manifest
+from llmtrain.distributed.device import resolve_device
+from llmtrain.models import build_model
+from llmtrain.train.checkpoint import Checkpointer
+from llmtrain.train.metrics import PEAK_TFLOPS, MetricsLogger, memory_bytes, plot_losses
+from llmtrain.train.optim import build_optimizer
+from llmtrain.train.precision import LossScaler, autocast, grad_norm_
+from llmtrain.train.schedule import build_lr_schedule
+
+
+def config_hash(cfg_dict: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg_dict, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Trainer:
+    """Single-process trainer; the distributed layout plugs in through the model wrapping and the data ranks."""
+
+    def __init__(self, cfg: Config, notes: list[str] | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.run.device_target)
+        self.device_type = self.device.type
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.run_dir = Path(cfg.run.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.rank, self.dp_rank, self.dp_size = 0, 0, 1
+
+        # Data first: the tokenizer fixes the vocabulary when the config leaves it open.
+        self.train_samples, self.valid_samples = build_datasets(cfg)
+        manifest = read_manifest(cfg.data.datasets[0].path)
+        self.eos_id = manifest["tokenizer"]["eos_id"]
+        self.derived = derive(cfg, world_size=1, vocab_size=manifest["tokenizer"]["vocab_size"])
+        d = self.derived
+
+        # Model: built on meta, materialized on the device, seeded init.
+        self.model = build_model(d.model_args, device="meta")
+        self.model.to_empty(device=self.device)
+        self.model.init_weights(seed=cfg.train.seed)
+        self.step_fn = torch.compile(self.model) if cfg.train.compile else self.model
+
+        self.optimizer = build_optimizer(self.model, cfg.train, self.device_type)
+        self.lr_at = build_lr_schedule(cfg.train)
+        self.scaler = LossScaler.from_config(cfg.train)
+        self.batches = BatchIterator(
+            self.train_samples, d.global_batch, d.micro_batch_size, self.dp_rank, self.dp_size
+        )
+        self.step = 0
+        self.tokens_seen = 0
+
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.device_type)
+        resume = self.checkpointer.resume_path()
+        if resume is not None:
+            self._load(resume)
+        self.metrics = MetricsLogger(
+            self.run_dir, cfg.logging, cfg.train.max_steps, self.step, enabled=self.rank == 0
+        )
+        for note in notes or []:
+            self.metrics.message(f"note: {note}")
+        if resume is not None:
+            self.metrics.message(f"resumed from {resume} at step {self.step}")
+        self.peak_flops = (cfg.logging.peak_tflops or PEAK_TFLOPS.get(self.device_type, 1.0)) * 1e12
+
+    # ------------------------------------------------------------------ one step
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy (fp32); the caller divides by the global batch's target tokens."""
+        return F.cross_entropy(
+            logits.float().flatten(0, 1),
+            labels.flatten(),
+            reduction="sum",
+            ignore_index=-100,
+            label_smoothing=self.cfg.train.label_smoothing,
+        )
+
+    def forward_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+        doc_ids = mb["document_ids"] if self.cfg.model.document_mask else None
+        pos_ids = mb["position_ids"] if self.cfg.model.document_mask else None
+        with autocast(self.cfg.train.precision, self.device_type):
+            logits = self.step_fn(mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids)
+        return self.loss_fn(logits, mb["labels"])
+
+    def train_step(self) -> dict:
+        cfg = self.cfg.train
+        lr = self.lr_at(self.step + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = self.batches.next_step()
+        n_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches) * self.dp_size
+        loss_sum = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            loss = self.forward_loss(mb)
+            self.scaler.scale_loss(loss / n_tokens).backward()
+            loss_sum += loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self.scaler.unscale_(params)
+        grad_norm = grad_norm_(params, cfg.grad_clip_norm)
+        skipped = self.scaler.update(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += n_tokens
+        return {
+            "loss": loss_sum.item() / n_tokens,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "tokens": n_tokens,
+        }
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Mean loss and perplexity over ``eval.eval_iters`` held-out micro-batches (same batches every time)."""
+        if len(self.valid_samples) == 0:
+            return {}
+        self.model.eval()
+        mbs = self.derived.micro_batch_size
+        it = BatchIterator(self.valid_samples, mbs * self.dp_size, mbs, self.dp_rank, self.dp_size)
+        total, count = 0.0, 0
+        for _ in range(self.cfg.eval.eval_iters):
+            for mb in it.next_step():
+                total += self.forward_loss(mb).item()
+                count += int((mb["labels"] != -100).sum())
+        self.model.train()
+        val_loss = total / max(count, 1)
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    def _log_validation(self) -> dict:
+        val = self.validate()
+        if val:
+            self.metrics.log({"step": self.step, **val})
+        return val
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        cfg = self.cfg
+        max_steps, log_steps = cfg.train.max_steps, max(cfg.train.log_steps, 1)
+        last_val: dict = {}
+        if cfg.eval.at_start and self.step == 0:
+            last_val = self._log_validation()
+        self.model.train()
+        t_last, tokens_last, step_last = time.time(), self.tokens_seen, self.step
+        while self.step < max_steps:
+            out = self.train_step()
+            if self.step % log_steps == 0 or self.step == max_steps:
+                dt = time.time() - t_last
+                tps = (self.tokens_seen - tokens_last) / max(dt, 1e-9)
+                self.metrics.log(
+                    {
+                        "step": self.step,
+                        "loss": out["loss"],
+                        "lr": out["lr"],
+                        "grad_norm": out["grad_norm"],
+                        "loss_scale": self.scaler.scale,
+                        "skipped_steps": self.scaler.skipped_steps,
+                        "tokens_per_s": tps,
+                        "mfu": self.derived.flops_per_token * tps / self.peak_flops,
+                        "step_time_s": dt / max(self.step - step_last, 1),
+                        "tokens_seen": self.tokens_seen,
+                        "memory_bytes": memory_bytes(self.device_type),
+                    }
+                )
+                t_last, tokens_last, step_last = time.time(), self.tokens_seen, self.step
+            if cfg.train.eval_steps and self.step % cfg.train.eval_steps == 0:
+                last_val = self._log_validation()
+            if cfg.checkpoint.save_steps and self.step % cfg.checkpoint.save_steps == 0:
+                self.save()
+        if not (cfg.train.eval_steps and self.step % cfg.train.eval_steps == 0):
+            last_val = self._log_validation()
+        if cfg.checkpoint.save_at_end and self.checkpointer.latest() != self._ckpt_dir(self.step):
+            self.save()
+        self.metrics.close()
+        if cfg.logging.plot and self.rank == 0:
+            plot_losses(self.metrics.path, self.run_dir / "loss.png")
+        return {"step": self.step, **last_val}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_dir(self, step: int) -> Path:
+        return self.checkpointer.dir / f"step_{step:08d}"
+
+    def trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "scaler": self.scaler.state_dict(),
+            "data": self.batches.state_dict(),
+            "config_hash": config_hash(json.loads(json.dumps(self.cfg, default=lambda o: o.__dict__))),
+        }
+
+    def save(self) -> Path:
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
+        self.metrics.message(f"checkpoint saved: {path}")
+        return path
+
+    def _load(self, path: Path) -> None:
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.batches.load_state_dict(state["data"])
