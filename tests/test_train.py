@@ -120,3 +120,33 @@ def test_train_cli_bad_override_exits_2(tiny_corpus, tmp_path):
     )
     assert p.returncode == 2
     assert "train.lr" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_epochs_cap_the_run(tiny_corpus, tmp_path):
+    cfg = config_from_dict(tiny_config(tiny_corpus, tmp_path / "ep", max_steps=10**6, epochs=1))
+    t = Trainer(cfg)
+    assert t.cfg.train.max_steps == len(t.train_samples) // 8
+    assert t.lr_at(t.cfg.train.max_steps) == pytest.approx(3e-4)  # the schedule decays over the capped run
+
+
+def test_generate_cli_is_deterministic(tiny_corpus, tmp_path, capsys):
+    from llmtrain.cli import main
+
+    out = tmp_path / "gen"
+    cfg = config_from_dict(tiny_config(tiny_corpus, out, max_steps=4))
+    Trainer(cfg).fit()
+    capsys.readouterr()
+    argv = ["generate", str(out), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert main([*argv[:-2], "--temperature", "0.9", "--seed", "3"]) == 0
+    sampled = capsys.readouterr().out
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first  # greedy is deterministic
+    assert first.startswith("def ") and len(first) > len("def \n")
+    assert sampled.startswith("def ")
+    # a checkpoint directory works as well as the run directory
+    ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    assert main(["generate", str(ckpt), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == first
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2

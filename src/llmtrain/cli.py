@@ -20,6 +20,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("llmtrain.check", "validate a config and print it with derived figures"),
     "generate": ("llmtrain.train.sample", "sample text from a run directory or checkpoint"),
     "demo": ("llmtrain.demo", "prepare the stdlib sources, train the demo model on the CPU, sample"),
+    "plan": ("llmtrain.plan.cli", "estimate memory, step time, MFU and cost of a run; search layouts"),
+    "merge": ("llmtrain.data.merge", "join the partitions written by `prepare --partition i/N`"),
+    "export": ("llmtrain.export", "export a checkpoint to Hugging Face safetensors"),
 }
 
 

@@ -61,6 +61,13 @@ class Trainer:
         self.eos_id = manifest["tokenizer"]["eos_id"]
         self.derived = derive(cfg, world_size=1, vocab_size=manifest["tokenizer"]["vocab_size"])
         d = self.derived
+        notes = list(notes or [])
+        if cfg.train.epochs:  # the seed's epoch count caps the run (max_steps still applies)
+            epoch_steps = max(cfg.train.epochs * len(self.train_samples) // d.global_batch, 1)
+            if epoch_steps < cfg.train.max_steps:
+                notes.append(f"train.epochs {cfg.train.epochs} caps the run at {epoch_steps} steps "
+                             f"(train.max_steps was {cfg.train.max_steps}).")
+                cfg.train.max_steps = epoch_steps
 
         # Model: built on meta, materialized on the device, seeded init.
         self.model = build_model(d.model_args, device="meta")
@@ -84,7 +91,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logging, cfg.train.max_steps, self.step, enabled=self.rank == 0
         )
-        for note in notes or []:
+        for note in notes:
             self.metrics.message(f"note: {note}")
         if resume is not None:
             self.metrics.message(f"resumed from {resume} at step {self.step}")
