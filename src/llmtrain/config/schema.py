@@ -99,6 +99,9 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedules)."""
     enable_alltoall: bool = False
     """Seed key: all-to-all dispatch for expert parallel."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in host memory (FSDP2 CPUOffloadPolicy; the
+    seed's heterogeneous memory). Applies to the FSDP-wrapped (data-parallel) layouts."""
 
     def effective_zero_stage(self) -> int:
         """The ZeRO stage after resolving the seed's use_zero/zero_level spelling."""
@@ -250,6 +253,16 @@ class RunConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """Activation recomputation (checkpointing), applied per transformer block from outside the model."""
+
+    mode: str = "none"
+    """none, selective (every `every`-th block is recomputed) or full (every block)."""
+    every: int = 2
+    """With mode selective: recompute one block in this many."""
+
+
+@dataclass
 class Config:
     """A whole run: the seed's sections (model, parallel, train, run) plus data, checkpoint, logging, eval."""
 
@@ -261,3 +274,4 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)

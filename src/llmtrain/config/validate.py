@@ -35,6 +35,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "run.device_target": ("auto", "cpu", "cuda", "npu"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
     "model.position_embedding": (None, "rope", "alibi"),
+    "recompute.mode": ("none", "selective", "full"),
 }
 _HINTS = {"run.device_target": " (in a config file Ascend, GPU and CPU are also accepted and mapped)"}
 
@@ -74,6 +75,7 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallel.zero_stage", _OPT(lambda v: 0 <= v <= 3), "0, 1, 2, 3 or null"),
     ("parallel.zero_level", _OPT(lambda v: 1 <= v <= 3), "1, 2, 3 or null"),
     ("logging.peak_tflops", _OPT(_POS), "a number > 0 or null"),
+    ("recompute.every", _ONE_UP, "an integer >= 1"),
 ]
 
 

@@ -49,3 +49,20 @@ def resolve_device(target: str) -> torch.device:
         torch.npu.set_device(local_rank)
         return torch.device("npu", local_rank)
     return torch.device("cpu")
+
+
+def init_distributed(device_type: str, timeout_s: int) -> int:
+    """Join the default process group when launched with WORLD_SIZE > 1 (torchrun); return the world size.
+
+    Idempotent: a process group that already exists (several trainers in one process, tests) is reused.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        dist.init_process_group(backend=BACKENDS[device_type], timeout=datetime.timedelta(seconds=timeout_s))
+    return world_size

@@ -98,17 +98,40 @@ class LossScaler:
         self.skipped_steps = int(sd["skipped_steps"])
 
 
+def _mesh_key(t: torch.Tensor) -> object:
+    mesh = getattr(t, "device_mesh", None)
+    return None if mesh is None else (id(mesh), tuple(str(p) for p in t.placements))
+
+
 @torch.no_grad()
-def grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float | None) -> float:
+def grad_norm_(
+    params: Iterable[torch.nn.Parameter], max_norm: float | None, pp_group: object | None = None
+) -> float:
     """Global L2 norm of the gradients (before clipping); clip in place to ``max_norm`` when it is finite.
 
-    Single-device here; the distributed version (per-mesh partial norms, reduced) plugs in with the same contract.
+    Works for plain tensors and for DTensors sharded over any mix of meshes (FSDP, TP, FSDP x TP): gradients
+    are grouped by mesh and placements, each group's norm is reduced over its own mesh (``full_tensor``), the
+    squares are summed, and under pipeline parallel summed over the stages (``pp_group``). Every rank gets the
+    same number, so every rank takes the same skip / clip decision.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    norms = torch._foreach_norm(grads, 2.0)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0).item()
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_mesh_key(g), []).append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        total_sq = total_sq + norm.float().to(device) ** 2
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt().item()
     if max_norm and math.isfinite(total) and total > max_norm:
-        torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+        coef = max_norm / (total + 1e-6)
+        for group in groups.values():
+            torch._foreach_mul_(group, coef)
     return total

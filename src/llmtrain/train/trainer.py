@@ -22,13 +22,15 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from llmtrain.config import derive, save_config
 from llmtrain.config.schema import Config
 from llmtrain.data.loader import BatchIterator, build_datasets
 from llmtrain.data.manifest import read_manifest
-from llmtrain.distributed.device import resolve_device
+from llmtrain.distributed.device import init_distributed, resolve_device
+from llmtrain.distributed.parallelize import parallelize
 from llmtrain.models import build_model
 from llmtrain.train.checkpoint import Checkpointer
 from llmtrain.train.metrics import PEAK_TFLOPS, MetricsLogger, memory_bytes, plot_losses
@@ -42,7 +44,7 @@ def config_hash(cfg_dict: dict) -> str:
 
 
 class Trainer:
-    """Single-process trainer; the distributed layout plugs in through the model wrapping and the data ranks."""
+    """The trainer: one process of a run (alone, or one rank under torchrun)."""
 
     def __init__(self, cfg: Config, notes: list[str] | None = None):
         self.cfg = cfg
@@ -50,30 +52,44 @@ class Trainer:
         self.device_type = self.device.type
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
+        self.world_size = init_distributed(self.device_type, cfg.run.dist_timeout_s)
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
         self.run_dir = Path(cfg.run.output_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
-        self.rank, self.dp_rank, self.dp_size = 0, 0, 1
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
 
         # Data first: the tokenizer fixes the vocabulary when the config leaves it open.
         self.train_samples, self.valid_samples = build_datasets(cfg)
         manifest = read_manifest(cfg.data.datasets[0].path)
         self.eos_id = manifest["tokenizer"]["eos_id"]
-        self.derived = derive(cfg, world_size=1, vocab_size=manifest["tokenizer"]["vocab_size"])
+        self.derived = derive(cfg, world_size=self.world_size, vocab_size=manifest["tokenizer"]["vocab_size"])
         d = self.derived
         notes = list(notes or [])
         if cfg.train.epochs:  # the seed's epoch count caps the run (max_steps still applies)
             epoch_steps = max(cfg.train.epochs * len(self.train_samples) // d.global_batch, 1)
             if epoch_steps < cfg.train.max_steps:
-                notes.append(f"train.epochs {cfg.train.epochs} caps the run at {epoch_steps} steps "
-                             f"(train.max_steps was {cfg.train.max_steps}).")
+                notes.append(
+                    f"train.epochs {cfg.train.epochs} caps the run at {epoch_steps} steps "
+                    f"(train.max_steps was {cfg.train.max_steps})."
+                )
                 cfg.train.max_steps = epoch_steps
 
-        # Model: built on meta, materialized on the device, seeded init.
+        # Layout: one mesh per parallel dimension; this rank's data-parallel slice.
+        dims = d.dims
+        meshes = dims.build_meshes(self.device_type) if self.world_size > 1 else None
+        self.dp_group = meshes["dp"].get_group() if meshes and dims.dp > 1 else None
+        self.dp_rank = meshes["dp"].get_local_rank() if self.dp_group is not None else 0
+        self.dp_size = dims.dp
+
+        # Model: built on meta, parallelized from outside, materialized on the device, seeded init.
         self.model = build_model(d.model_args, device="meta")
+        self.fsdp = parallelize(self.model, cfg, dims, meshes["world"] if meshes else None, self.device_type)
         self.model.to_empty(device=self.device)
         self.model.init_weights(seed=cfg.train.seed)
-        self.step_fn = torch.compile(self.model) if cfg.train.compile else self.model
+        self.step_fn = torch.compile(self.model) if cfg.train.compile and not self.fsdp else self.model
+        # FSDP averages gradients over the data-parallel ranks; the loss is pre-multiplied to undo it.
+        self.grad_scale = float(self.dp_size) if self.fsdp else 1.0
 
         self.optimizer = build_optimizer(self.model, cfg.train, self.device_type)
         self.lr_at = build_lr_schedule(cfg.train)
@@ -96,6 +112,12 @@ class Trainer:
         if resume is not None:
             self.metrics.message(f"resumed from {resume} at step {self.step}")
         self.peak_flops = (cfg.logging.peak_tflops or PEAK_TFLOPS.get(self.device_type, 1.0)) * 1e12
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (identity on one rank)."""
+        if self.dp_group is not None:
+            dist.all_reduce(t, group=self.dp_group)
+        return t
 
     # ------------------------------------------------------------------ one step
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -122,11 +144,12 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro_batches = self.batches.next_step()
-        n_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches) * self.dp_size
+        local_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        n_tokens = int(self._dp_sum(torch.tensor(local_tokens, device=self.device)).item())
         loss_sum = torch.zeros((), device=self.device)
         for mb in micro_batches:
             loss = self.forward_loss(mb)
-            self.scaler.scale_loss(loss / n_tokens).backward()
+            self.scaler.scale_loss(loss * (self.grad_scale / n_tokens)).backward()
             loss_sum += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
         self.scaler.unscale_(params)
@@ -137,13 +160,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += n_tokens
-        return {
-            "loss": loss_sum.item() / n_tokens,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "skipped": skipped,
-            "tokens": n_tokens,
-        }
+        loss_value = self._dp_sum(loss_sum.float()).item() / n_tokens
+        return {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "tokens": n_tokens}
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -153,12 +171,13 @@ class Trainer:
         self.model.eval()
         mbs = self.derived.micro_batch_size
         it = BatchIterator(self.valid_samples, mbs * self.dp_size, mbs, self.dp_rank, self.dp_size)
-        total, count = 0.0, 0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, target tokens]
         for _ in range(self.cfg.eval.eval_iters):
             for mb in it.next_step():
-                total += self.forward_loss(mb).item()
-                count += int((mb["labels"] != -100).sum())
+                sums[0] += self.forward_loss(mb).double()
+                sums[1] += int((mb["labels"] != -100).sum())
         self.model.train()
+        total, count = self._dp_sum(sums).tolist()
         val_loss = total / max(count, 1)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
@@ -191,7 +210,7 @@ class Trainer:
                         "loss_scale": self.scaler.scale,
                         "skipped_steps": self.scaler.skipped_steps,
                         "tokens_per_s": tps,
-                        "mfu": self.derived.flops_per_token * tps / self.peak_flops,
+                        "mfu": self.derived.flops_per_token * tps / (self.peak_flops * self.world_size),
                         "step_time_s": dt / max(self.step - step_last, 1),
                         "tokens_seen": self.tokens_seen,
                         "memory_bytes": memory_bytes(self.device_type),

@@ -98,8 +98,10 @@ class Transformer(nn.Module):
         ``position_ids`` [B, T] or [T] default to ``past + arange(T)``; reset them per document together with
         ``document_ids`` [B, T] to make each packed document see exactly what it would see alone.
         """
+        # Full sequence length from the input: under sequence parallel the embedding output holds only this
+        # rank's slice of the sequence, while attention (after its all-gather) sees all of it.
+        bsz, seqlen = input_ids.shape[:2]
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids  # [B, T, dim]
-        bsz, seqlen = h.shape[:2]
         past = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + seqlen, device=h.device)

@@ -1,0 +1,140 @@
+"""Apply the parallel layout to a model built on the meta device, from outside the model.
+
+Fixed order (torchtitan's): tensor parallel -> activation recompute -> compile -> FSDP. The model is still on
+the meta device; the trainer materializes it afterwards (``to_empty`` + ``init_weights``), so no rank ever holds
+more than its shard.
+
+ZeRO stages on FSDP2 (``fully_shard`` per transformer block, then the root):
+
+=====  ====================================  =====================================================
+stage  what is sharded over data parallel    how
+=====  ====================================  =====================================================
+0      nothing (plain data parallel)         FSDP2 on a (replicate=dp, shard=1) mesh: gradients are
+                                             all-reduced, every rank holds everything (DDP semantics)
+1      optimizer states                      realised as stage 2 (below): FSDP2 reduce-scatters
+                                             gradients, so sharding them with the optimizer states
+                                             costs no extra communication (reduce-scatter + all-gather
+                                             = one all-reduce, as in DeepSpeed's ZeRO-1/2)
+2      optimizer states + gradients          ``reshard_after_forward=False``: parameters stay gathered
+                                             from forward to backward
+3      + parameters                          ``reshard_after_forward=True``: gathered per block,
+                                             freed after use
+=====  ====================================  =====================================================
+
+HSDP (``parallel.data_parallel_replicate`` > 1): shard within groups, replicate across them (2-D mesh).
+``parallel.cpu_offload`` adds FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer states live
+in host memory; the optimizer step runs on the CPU).
+
+Known wrong combinations on torch's CPU backend are refused here, with the reason (see docs/parallelism.md):
+per-block compile with tensor parallel.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmtrain.config.schema import Config
+from llmtrain.distributed.parallel_dims import ParallelDims
+from llmtrain.errors import ConfigError
+from llmtrain.models.baichuan import parallelize as baichuan_tp
+from llmtrain.models.glm import parallelize as glm_tp
+from llmtrain.models.llama import parallelize as llama_tp
+from llmtrain.models.qwen import parallelize as qwen_tp
+
+# family -> module with block_plan(args) / top_plan(args): an explicit registry, nothing imported by name.
+TP_PLANS: dict[str, ModuleType] = {
+    "llama3": llama_tp,
+    "qwen2": qwen_tp,
+    "qwen3": qwen_tp,
+    "glm4": glm_tp,
+    "baichuan2": baichuan_tp,
+}
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard attention heads, MLP hidden units and the vocabulary over ``tp_mesh`` (with sequence parallel)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    args = model.args
+    if args.position_embedding == "alibi":
+        raise ConfigError(
+            "parallel.tensor_parallel > 1 with ALiBi (baichuan2 13b) is not supported yet; use tp 1."
+        )
+    if args.tie_word_embeddings:
+        raise ConfigError(
+            "parallel.tensor_parallel > 1 with tied input/output embeddings is not supported yet; set "
+            "model.tie_word_embeddings: false or use tp 1."
+        )
+    plans = TP_PLANS[args.family]
+    parallelize_module(model, tp_mesh, plans.top_plan(args))
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, plans.block_plan(args))
+
+
+def apply_recompute(model: nn.Module, mode: str, every: int) -> None:
+    """Wrap blocks in activation checkpointing: all of them (full) or one in ``every`` (selective)."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, (key, block) in enumerate(list(model.layers.items())):
+        if mode == "full" or i % every == 0:
+            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, cpu_offload: bool, device_type: str
+) -> None:
+    """``fully_shard`` each block, then the root, with the stage's resharding policy."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs: dict = {"mesh": dp_mesh, "reshard_after_forward": zero_stage >= 3}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
+    for block in model.layers.values():
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def dp_mesh_for(dims: ParallelDims, world: DeviceMesh, zero_stage: int) -> DeviceMesh:
+    """The mesh FSDP2 shards/replicates over: 2-D (replicate, shard) for HSDP and for stage 0, else 1-D."""
+    if zero_stage == 0 or dims.dp_replicate > 1:
+        return world["dp_replicate", "dp_shard"]
+    return world["dp_shard"]
+
+
+def parallelize(
+    model: nn.Module, cfg: Config, dims: ParallelDims, world: DeviceMesh | None, device_type: str
+) -> bool:
+    """Apply TP -> recompute -> compile -> FSDP as configured. Returns True when FSDP wraps the model (its
+    gradient reduction then averages over the data-parallel ranks)."""
+    if dims.pp > 1 or dims.cp > 1 or dims.ep > 1:
+        raise ConfigError(
+            "parallel.pipeline_parallel, context_parallel and expert_parallel > 1 are not available in this "
+            "version yet (tensor, data / ZeRO / HSDP parallel are); set them to 1."
+        )
+    if dims.tp > 1:
+        assert world is not None
+        apply_tp(model, world["tp"])
+    apply_recompute(model, cfg.recompute.mode, cfg.recompute.every)
+    if cfg.train.compile:
+        if dims.tp > 1:
+            raise ConfigError(
+                "train.compile with parallel.tensor_parallel > 1 is refused: on this torch, TP + per-block "
+                "compile fails in backward and FSDP + TP + whole-model compile gives wrong losses "
+                "(docs/parallelism.md). Set train.compile: false."
+            )
+        for key, block in list(model.layers.items()):
+            model.layers[key] = torch.compile(block)
+    fsdp = dims.dp > 1
+    if fsdp:
+        assert world is not None
+        zero = cfg.parallel.effective_zero_stage()
+        apply_fsdp(model, dp_mesh_for(dims, world, zero), zero, cfg.parallel.cpu_offload, device_type)
+    elif cfg.parallel.cpu_offload:
+        raise ConfigError("parallel.cpu_offload needs data_parallel > 1 (it is FSDP2's offload policy).")
+    return fsdp

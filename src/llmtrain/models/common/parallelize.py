@@ -1,0 +1,101 @@
+"""Tensor-parallel plans as data: module path -> ``ParallelStyle`` (Megatron-style TP with sequence parallel).
+
+Between blocks the residual stream is sharded along the sequence (``Shard(1)``, sequence parallel): norms run
+on their sequence slice, then each attention / feed-forward input is all-gathered (``Replicate``), the
+column-parallel projections (``wq wk wv``, ``w1 w3``) produce local heads / local hidden units, and the
+row-parallel ones (``wo``, ``w2``) reduce-scatter back to ``Shard(1)``. The embedding is row-parallel over the
+vocabulary and the output projection column-parallel over the vocabulary, gathered to full logits. Parameters
+that stay whole on every TP rank (QK-norm weights) become replicated DTensors through :class:`NoParallel`, so
+the optimizer and gradient clipping see DTensors only (mixing plain tensors and DTensors fails in foreach ops).
+
+The plan is the same for every family because every family uses the same module names; a family's
+``parallelize.py`` may extend it (e.g. GLM and Qwen2 have qkv biases, which the column-wise style shards with
+their weights).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from llmtrain.models.common.args import TransformerArgs
+
+
+class NoParallel(ParallelStyle):
+    """Replicate a module's parameters as DTensors; its inputs and outputs stay plain local tensors.
+
+    ``input_layout`` says how the local input relates to the global one. QK-norm sees this rank's heads only,
+    so its input is ``Shard(2)`` of ``[B, T, heads, head_dim]``: the weight gradient is then reduced over the
+    TP ranks (every head contributes), not taken from the local heads alone.
+    """
+
+    def __init__(self, input_layout: Placement | None = None) -> None:
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+        layout = self.input_layout
+
+        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(
+                DTensor.from_local(x, mesh, [layout], run_check=False) if hasattr(x, "shape") else x
+                for x in inputs
+            )
+
+        def output_fn(mod: nn.Module, out, mesh: DeviceMesh):  # noqa: ANN001, ANN202
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+def block_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
+    """Plan of one TransformerBlock, relative to the block."""
+    plan: dict[str, ParallelStyle] = {
+        "attention_norm": SequenceParallel(),
+        # attention(x, rope, mask, cache, layer_key): only x changes layout
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None),
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if args.qk_norm:
+        plan["attention.q_norm"] = NoParallel(input_layout=Shard(2))  # [B, T, local heads, head_dim]
+        plan["attention.k_norm"] = NoParallel(input_layout=Shard(2))
+    return plan
+
+
+def top_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
+    """Plan of the modules around the blocks (embedding, final norm, output)."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
