@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("llmtrain.plan.cli", "estimate memory, step time, MFU and cost of a run; search layouts"),
     "merge": ("llmtrain.data.merge", "join the partitions written by `prepare --partition i/N`"),
     "export": ("llmtrain.export", "export a checkpoint to Hugging Face safetensors"),
+    "launch": ("llmtrain.launch", "run `train` under torchrun (multi-process, multi-node, elastic)"),
 }
 
 
@@ -42,7 +43,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Dotted overrides may also follow the options (`launch CFG --nproc-per-node 2 train.lr=1e-3`).
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except LLMTrainError as e:
