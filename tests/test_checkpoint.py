@@ -97,3 +97,170 @@ def test_malicious_metadata_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not allowed"):
         load_model_weights(path, m2)
     assert (path / MARKER).exists()
+
+
+# ----------------------------------------------------------------------------- issue 5: checksums, fallback, async
+import json  # noqa: E402
+import time  # noqa: E402
+
+from llmtrain.train.checkpoint import CHECKSUMS, verify_checkpoint  # noqa: E402
+from llmtrain.train.fault import damage_file  # noqa: E402
+
+
+def three_checkpoints(tmp_path, keep=3):
+    m, opt = make(0)
+    ck = Checkpointer(CheckpointConfig(keep_checkpoint_max=keep, resume="auto"), tmp_path)
+    for s in (1, 2, 3):
+        train_a_bit(m, opt, 1)
+        ck.save(s, m, opt, {"step": s})
+    return m, opt, ck
+
+
+@pytest.mark.parametrize("mode", ["flip", "truncate"])
+def test_corrupt_newest_falls_back_to_previous(tmp_path, mode):
+    m, opt, ck = three_checkpoints(tmp_path)
+    newest = ck.latest()
+    record = json.loads((newest / CHECKSUMS).read_text())
+    assert record["algorithm"] == "sha256" and ".metadata" in record["files"]
+    assert all(len(v["sha256"]) == 64 for v in record["files"].values())
+    damage_file(next(newest.glob("*.distcp")), mode)
+    fresh = Checkpointer(ck.cfg, tmp_path)  # a new process: nothing cached
+    choice = fresh.select_resume()
+    assert choice.path.name == "step_00000002"
+    assert len(choice.rejected) == 1 and choice.rejected[0][0] == str(newest)
+    assert ("SHA-256" if mode == "flip" else "truncated") in choice.rejected[0][1]
+    assert fresh.resume_notes and "step_00000003" in fresh.resume_notes[0]
+    m2, opt2 = make(5)
+    assert fresh.load(choice.path, m2, opt2) == {"step": 2}
+    with pytest.raises(CheckpointError, match="fails verification"):
+        Checkpointer(ck.cfg, tmp_path).load(newest, m2, opt2)
+    explicit = Checkpointer(CheckpointConfig(resume=str(newest)), tmp_path)
+    with pytest.raises(CheckpointError, match="fails verification"):
+        explicit.resume_path()
+
+
+def test_verify_reasons(tmp_path):
+    _, _, ck = three_checkpoints(tmp_path)
+    a, b, c = ck.committed()
+    assert verify_checkpoint(c) is None
+    (b / CHECKSUMS).unlink()
+    assert "checksums.json" in verify_checkpoint(b)
+    (a / "trainer_state.json").write_text('{"step": 99}')
+    assert "trainer_state.json" in verify_checkpoint(a)
+    (c / MARKER).unlink()
+    assert "marker" in verify_checkpoint(c)
+    assert Checkpointer(ck.cfg, tmp_path).select_resume().path is None  # all three invalid: fresh start
+
+
+def test_exception_during_save_keeps_previous(tmp_path):
+    m, opt, ck = three_checkpoints(tmp_path)
+
+    def boom(event, tmp_dir):
+        raise RuntimeError(f"disk full at {event}")
+
+    ck.fault_hook = boom
+    with pytest.raises(RuntimeError, match="disk full"):
+        ck.save(4, m, opt, {"step": 4})
+    assert (ck.dir / "step_00000004.tmp").is_dir()
+    assert Checkpointer(ck.cfg, tmp_path).resume_path().name == "step_00000003"
+    ck.fault_hook = None
+    ck.save(5, m, opt, {"step": 5})  # the next commit clears the crashed save's directory
+    assert sorted(p.name for p in ck.dir.iterdir()) == ["step_00000002", "step_00000003", "step_00000005"]
+    assert not list(ck.dir.glob("*.tmp")) and not list(ck.dir.glob("*.trash"))
+
+
+def test_sigkill_during_async_save_keeps_previous(tmp_path):
+    """A forked child (torch already imported: fast) saves step 1, then is SIGKILLed inside the async save of
+    step 2 after a data file was truncated; the parent resumes from step 1."""
+    from llmtrain.train.fault import FaultInjector
+
+    m, opt = make(0)
+    ck = Checkpointer(CheckpointConfig(keep_checkpoint_max=1), tmp_path)
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            ck.save(1, m, opt, {"step": 1})
+            ck.fault_hook = FaultInjector({"crash_in_save_at_step": [2]}, tmp_path).during_save
+            ck.save_async(2, m, opt, {"step": 2})
+            ck.wait()
+        finally:
+            os._exit(3)  # not reached when the fault fires
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9, status
+    assert (ck.dir / "step_00000002.tmp").is_dir()  # the half-written save, truncated, never committed
+    assert [p.name for p in ck.committed()] == ["step_00000001"]
+    fresh = Checkpointer(CheckpointConfig(keep_checkpoint_max=1), tmp_path)
+    assert fresh.resume_path().name == "step_00000001" and fresh.resume_notes == []
+    m2, opt2 = make(3)
+    assert fresh.load(fresh.resume_path(), m2, opt2) == {"step": 1}
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_async_save_equals_sync_and_is_a_snapshot(tmp_path):
+    m, opt = make(0)
+    train_a_bit(m, opt, 2)
+    expected = [p.detach().clone() for p in m.parameters()]
+    sync = Checkpointer(CheckpointConfig(save_dir=str(tmp_path / "sync")), tmp_path)
+    asy = Checkpointer(CheckpointConfig(save_dir=str(tmp_path / "async")), tmp_path)
+    sync.save(2, m, opt, {"step": 2})
+    state = {"step": 2}
+    t0 = time.perf_counter()
+    asy.save_async(2, m, opt, state)
+    blocked = time.perf_counter() - t0
+    state["step"] = 99  # the trainer mutates its state and its weights while the write runs
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    assert asy.pending
+    path = asy.wait()
+    assert path.name == "step_00000002" and not asy.pending and asy.wait() is None
+    assert blocked < 5.0
+    a = json.loads((path / CHECKSUMS).read_text())["files"]
+    b = json.loads((sync.latest() / CHECKSUMS).read_text())["files"]
+    data = [n for n in b if n.endswith(".distcp")]
+    assert data and all(a[n] == b[n] for n in data)  # byte-identical tensor data
+    assert a["trainer_state.json"] == b["trainer_state.json"]
+    m2, opt2 = make(4)
+    assert asy.load(path, m2, opt2) == {"step": 2}
+    for got, want in zip(m2.parameters(), expected):
+        assert torch.equal(got, want)
+
+
+def test_poll_and_async_error(tmp_path):
+    m, opt = make(0)
+    ck = Checkpointer(CheckpointConfig(), tmp_path)
+    ck.save_async(1, m, opt, {"step": 1})
+    deadline = time.time() + 30
+    got = None
+    while got is None and time.time() < deadline:
+        got = ck.poll()
+        time.sleep(0.01)
+    assert got is not None and got.name == "step_00000001" and verify_checkpoint(got) is None
+
+    def boom(event, tmp_dir):
+        raise OSError("no space left")
+
+    ck.fault_hook = boom
+    ck.save_async(2, m, opt, {"step": 2})
+    with pytest.raises(CheckpointError, match="step 2 .*failed"):
+        ck.wait()
+    assert ck.latest().name == "step_00000001"
+
+
+def test_rotation_keeps_newest_and_wall_clock_saves(tmp_path):
+    m, opt = make(0)
+    cfg = CheckpointConfig(keep_checkpoint_max=0, save_steps=5)
+    ck = Checkpointer(cfg, tmp_path)
+    for s in (1, 2):
+        ck.save(s, m, opt, {"step": s})
+    assert [p.name for p in ck.dir.iterdir()] == ["step_00000002"]  # keep 0 still keeps the newest
+    assert ck.should_save(10) and not ck.should_save(11)
+    cfg.save_minutes = 0.01  # 0.6 s; the lead adds this field to CheckpointConfig
+    timed = Checkpointer(cfg, tmp_path)
+    assert not timed.should_save(11)
+    time.sleep(0.65)
+    assert timed.should_save(11)
+    timed.save(11, m, opt, {"step": 11})
+    assert not timed.should_save(12)
+    assert timed.latest().name == "step_00000011"

@@ -30,7 +30,7 @@ _MARKERS = {
     "num_train_epochs", "train_dataset_dir", "lr_scheduler", "lr_schedule",
 }  # fmt: skip
 # Native sections that may appear next to the flat keys and pass through unchanged.
-_PASSTHROUGH = ("data", "checkpoint", "logging", "eval", "run", "recompute")
+_PASSTHROUGH = ("data", "checkpoint", "logging", "eval", "run", "recompute", "stability", "fault")
 
 # (section, MindFormers key) -> native dotted key. Same meaning, new name: one summary note lists them.
 _RENAMES: dict[tuple[str, str], str] = {

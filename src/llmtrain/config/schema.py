@@ -210,6 +210,12 @@ class CheckpointConfig:
     """Where checkpoints go; None means <run.output_dir>/checkpoints."""
     save_at_end: bool = True
     """Save a checkpoint after the last step."""
+    save_minutes: float = 0
+    """Also save when this many minutes have passed since the last save (0: off)."""
+    async_save: bool = False
+    """Write in the background; training is blocked only while the state is staged."""
+    write_threads: int = 2
+    """DCP writer threads and SHA-256 threads per rank."""
 
 
 @dataclass
@@ -250,6 +256,8 @@ class RunConfig:
     """torch CPU threads per process (None: torch's default)."""
     dist_timeout_s: int = 600
     """Timeout of collectives (the seed's HCCL_CONNECT_TIMEOUT)."""
+    hang_timeout_s: float = 0
+    """Hang watchdog: a step taking longer than this dumps every rank's stacks and exits non-zero (0: off)."""
 
 
 @dataclass
@@ -260,6 +268,74 @@ class RecomputeConfig:
     """none, selective (every `every`-th block is recomputed) or full (every block)."""
     every: int = 2
     """With mode selective: recompute one block in this many."""
+
+
+@dataclass
+class StabilityConfig:
+    """Loss-spike and NaN guard: detection rules, rollback and data skipping (train/stability.py)."""
+
+    enabled: bool = True
+    """Watch the run at all."""
+    rule: str = "mad"
+    """Spike rule: mad (median + k * MAD), sigma (mean + k * std) or ratio (r x the recent median)."""
+    watch: list[str] = field(default_factory=lambda: ["loss"])
+    """Metrics the rule is applied to: loss and/or grad_norm."""
+    window: int = 50
+    """Good steps in the rolling window of statistics."""
+    min_history: int = 20
+    """Good steps needed before spikes are looked for."""
+    k: float = 6.0
+    """Threshold of the mad and sigma rules, in robust standard deviations."""
+    ratio: float = 2.0
+    """Threshold of the ratio rule: anomalous above ratio x the window median."""
+    min_rel_increase: float = 0.05
+    """An anomaly must also exceed the window median by this fraction of it."""
+    consecutive: int = 3
+    """Anomalous steps in a row that make a spike (the seed: 10 steps above 2x)."""
+    max_nonfinite_steps: int = 5
+    """NaN/Inf steps in a row (each skipped) that force a rollback."""
+    max_rollbacks: int = 5
+    """Rollbacks allowed in a run; one more is give_up."""
+    skip_batches: int = 0
+    """Global batches to skip after the restored checkpoint; 0 skips exactly up to the detecting step."""
+    margin_steps: int = 0
+    """Restore a checkpoint at least this many steps before the first anomalous step (PaLM: ~100)."""
+    lr_factor: float = 1.0
+    """Multiply the LR by this after a rollback (1.0: unchanged)..."""
+    lr_factor_steps: int = 0
+    """... for this many steps after the restored step."""
+    snapshot_max_gb: float = 4.0
+    """Keep the newest checkpoint's state in host memory when it is at most this large (0: never)."""
+
+
+@dataclass
+class FaultConfig:
+    """Injected faults for tests and drills (train/fault.py). Empty = no faults."""
+
+    kill_at_step: list[int] = field(default_factory=list)
+    """Kill ``rank`` with SIGKILL at the start of these steps."""
+    hang_at_step: list[int] = field(default_factory=list)
+    """Hang ``rank`` (sleep ``hang_seconds``) at the start of these steps."""
+    hang_seconds: float = 3600.0
+    """How long an injected hang sleeps (the watchdog should fire first)."""
+    nan_at_step: list[int] = field(default_factory=list)
+    """Poison the loss (nan_target: loss) or a gradient (grad) with NaN at these steps."""
+    nan_target: str = "loss"
+    """Where the NaN goes: loss or grad."""
+    spike_at_step: list[int] = field(default_factory=list)
+    """Corrupt the batch tokens (random labels) at these steps: a loss spike."""
+    spike_steps: int = 1
+    """Consecutive steps corrupted from each spike_at_step."""
+    crash_in_save_at_step: list[int] = field(default_factory=list)
+    """Truncate a data file of the checkpoint being written at these steps, then SIGKILL (before commit)."""
+    corrupt_checkpoint_at_step: list[int] = field(default_factory=list)
+    """After committing the checkpoint of these steps, damage one of its .distcp files."""
+    corrupt_mode: str = "flip"
+    """flip (one byte changed) or truncate (half the file)."""
+    rank: int = 0
+    """The rank that is killed, hung or gets the NaN (-1: every rank)."""
+    seed: int = 0
+    """Seed of the corrupted tokens."""
 
 
 @dataclass
@@ -275,3 +351,5 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)

@@ -1,4 +1,4 @@
-"""Checkpoints: torch distributed checkpoint (DCP) for tensors, JSON for everything else.
+"""Checkpoints: torch distributed checkpoint (DCP) for tensors, JSON for everything else; atomic and checksummed.
 
 Layout under ``checkpoint.save_dir`` (default ``<run.output_dir>/checkpoints``)::
 
@@ -6,21 +6,34 @@ Layout under ``checkpoint.save_dir`` (default ``<run.output_dir>/checkpoints``):
       .metadata, __*_*.distcp   DCP: model and optimizer state (sharded, reshardable on load)
       trainer_state.json        step, schedule position, loss scaler, data-loader state, config hash (rank 0)
       rng_rank{r}.json          RNG states of rank r (python, numpy, torch CPU, accelerator)
+      checksums.json            size and SHA-256 of every file above, written after them
       COMMITTED                 written last; a directory without it is not a checkpoint
     step_00000200.tmp/        a save in progress (or one that crashed); never resumed from, removed later
 
-A save writes into ``step_N.tmp``, writes ``COMMITTED``, then renames the directory: a crash leaves no
-directory that looks complete. ``keep_checkpoint_max`` newest committed checkpoints are kept.
+Commit protocol (rank 0, after every rank's data is on disk): trainer_state.json -> checksums.json -> COMMITTED,
+each fsynced, the directory fsynced, then ``step_N.tmp`` is renamed to ``step_N`` and the parent fsynced. A crash
+at any point leaves either the previous checkpoints untouched or a ``.tmp`` directory that is ignored. Deleting
+(rotation) removes the marker first and renames to ``.trash`` before ``rmtree``, so a checkpoint is never
+half-deleted: it is either whole and committed or not a checkpoint at all.
+
+``resume: auto`` walks committed checkpoints newest first and takes the first whose checksums verify; every
+skipped one is reported with its reason (``select_resume``), so the trainer can log an event. An explicit
+``resume: PATH`` that fails verification is an error (no silent fallback from what the user asked for).
+
+Async save (``save_async`` then ``poll``/``wait``): with a process group, ``dcp.async_save`` runs on a gloo
+group of its own (sharing the training group aborts gloo, see the notes in ../shared); without one, the state is
+staged to a CPU copy and written by a plain thread. Either way the commit runs in a background thread only
+after the write finished; training is blocked only while the state is staged.
 
 Loading never unpickles arbitrary objects: DCP's ``.metadata`` file is a pickle, so it is read with an
 unpickler that accepts only DCP's own metadata classes, and non-tensor values go through
-``torch.load(weights_only=True)``. Hardening (async saves, checksums, fallback to the previous checkpoint,
-wall-clock saves) builds on this module.
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -28,8 +41,13 @@ import pickle
 import random
 import re
 import shutil
+import threading
+import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,6 +70,7 @@ from llmtrain.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMMITTED"
+CHECKSUMS = "checksums.json"
 
 
 # ----------------------------------------------------------------------------- safe loading of DCP metadata
@@ -140,7 +159,7 @@ def set_rng_state(state: dict, device_type: str) -> None:
         torch.cuda.set_rng_state(_unb64(state["cuda"]))
 
 
-# ----------------------------------------------------------------------------- the checkpointer
+# ----------------------------------------------------------------------------- files: fsync, checksums, delete
 @contextmanager
 def _quiet_single_process():
     """DCP warns on every call without a process group; single-process use is intended here."""
@@ -149,29 +168,158 @@ def _quiet_single_process():
         yield
 
 
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _dist() else 0
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _barrier(group: Any = None) -> None:
+    if _dist():
+        dist.barrier(group=group)
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
 
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_files(paths: list[Path], threads: int) -> list[str]:
+    """SHA-256 of each path; hashlib releases the GIL on large chunks, so threads overlap."""
+    if threads <= 1 or len(paths) <= 1:
+        return [sha256_file(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
+def write_checksums(ckpt_dir: Path, threads: int = 2) -> dict:
+    """Hash every file of ``ckpt_dir`` (except the marker and this file) into ``checksums.json``."""
+    paths = [p for p in sorted(ckpt_dir.iterdir()) if p.is_file() and p.name not in (MARKER, CHECKSUMS)]
+    digests = _hash_files(paths, threads)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}
+    record = {"algorithm": "sha256", "files": files}
+    _write_json(ckpt_dir / CHECKSUMS, record)
+    return record
+
+
+def verify_checkpoint(ckpt_dir: str | Path, threads: int = 2) -> str | None:
+    """None when ``ckpt_dir`` is a committed checkpoint whose files match checksums.json, else the reason."""
+    path = Path(ckpt_dir)
+    if not (path / MARKER).exists():
+        return f"no {MARKER} marker (an interrupted or deleted save)"
+    try:
+        record = json.loads((path / CHECKSUMS).read_text())
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{CHECKSUMS} is missing or unreadable ({e.__class__.__name__})"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, {want['bytes']} expected (truncated or overwritten)"
+    names = list(files)
+    for name, digest in zip(names, _hash_files([path / n for n in names], threads)):
+        if digest != files[name]["sha256"]:
+            return f"{name} fails its SHA-256 check (corrupted)"
+    if not any(name.endswith(".distcp") for name in files) or ".metadata" not in files:
+        return "the checksums list no DCP data or metadata file"
+    return None
+
+
+def _delete(ckpt_dir: Path) -> None:
+    """Uncommit, move out of the step_N namespace, then delete: never a half-deleted checkpoint."""
+    (ckpt_dir / MARKER).unlink(missing_ok=True)
+    _fsync_dir(ckpt_dir)
+    trash = ckpt_dir.with_name(ckpt_dir.name + ".trash")
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(ckpt_dir, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _stage_to_cpu(obj: Any, cache: dict[str, torch.Tensor], prefix: str = "") -> Any:
+    """A CPU copy of a (nested) state dict, so training can overwrite the originals during the write. Buffers
+    are kept in ``cache`` and reused by the next save (fresh allocations cost page faults, often more than the
+    copy itself); the caller makes sure the previous write finished first."""
+    if isinstance(obj, torch.Tensor):
+        buf = cache.get(prefix)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+            buf = cache[prefix] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
+        return buf.copy_(obj.detach())
+    if isinstance(obj, dict):
+        return {k: _stage_to_cpu(v, cache, f"{prefix}/{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_stage_to_cpu(v, cache, f"{prefix}/{i}") for i, v in enumerate(obj))
+    return obj
+
+
+# ----------------------------------------------------------------------------- resume choice and pending saves
+@dataclass
+class ResumeChoice:
+    """The checkpoint to resume from (None: fresh start) and the newer ones rejected, with reasons."""
+
+    path: Path | None
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+    def messages(self) -> list[str]:
+        return [f"checkpoint {p} skipped: {why}; falling back to an older one" for p, why in self.rejected]
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    tmp: Path
+    final: Path
+    thread: threading.Thread
+    error: BaseException | None = None
+    started: float = field(default_factory=time.time)
+
+
 class Checkpointer:
-    """Saves, rotates, finds and loads checkpoints of one run."""
+    """Saves (sync or async), commits, rotates, verifies, finds and loads checkpoints of one run.
+
+    ``fault_hook(event, tmp_dir)``, when set, is called with ``"written"`` after the data of a save is on disk
+    and before the commit (the fault injector kills the process there to simulate a crash mid-save).
+    """
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, device_type: str = "cpu"):
         self.cfg = cfg
         self.dir = Path(cfg.save_dir) if cfg.save_dir else Path(run_dir) / "checkpoints"
         self.device_type = device_type
+        self.save_minutes = float(getattr(cfg, "save_minutes", 0) or 0)
+        self.fault_hook: Callable[[str, Path], None] | None = None
+        self.resume_notes: list[str] = []
+        self._verified: set[Path] = set()
+        self._pending: _PendingSave | None = None
+        self._group: Any = None
+        self._last_save_time = time.time()
+        self.threads = max(int(getattr(cfg, "write_threads", 2) or 1), 1)
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def _writer(self, tmp: Path) -> FileSystemWriter:
+        return FileSystemWriter(str(tmp), thread_count=self.threads, sync_files=True)
 
     # ---- discovery
     def committed(self) -> list[Path]:
@@ -185,62 +333,209 @@ class Checkpointer:
         c = self.committed()
         return c[-1] if c else None
 
-    def resume_path(self) -> Path | None:
-        """What ``checkpoint.resume`` points at: None for a fresh start."""
+    def verify(self, path: str | Path) -> str | None:
+        """None if ``path`` verifies (cached per process), else the reason it does not."""
+        path = Path(path).resolve()
+        if path in self._verified:
+            return None
+        reason = verify_checkpoint(path, self.threads)
+        if reason is None:
+            self._verified.add(path)
+        return reason
+
+    def latest_valid(self) -> ResumeChoice:
+        """Newest committed checkpoint that verifies; newer ones that do not are listed with reasons."""
+        rejected: list[tuple[str, str]] = []
+        for path in reversed(self.committed()):
+            reason = self.verify(path)
+            if reason is None:
+                return ResumeChoice(path, rejected)
+            rejected.append((str(path), reason))
+        return ResumeChoice(None, rejected)
+
+    def select_resume(self) -> ResumeChoice:
+        """What ``checkpoint.resume`` points at. Rank 0 decides and broadcasts, so every rank agrees."""
         resume = str(self.cfg.resume)
         if resume == "none":
-            return None
-        if resume == "auto":
-            return self.latest()
-        path = Path(resume)
-        if not (path / MARKER).exists():
-            raise CheckpointError(
-                f"checkpoint.resume: {resume!r} is not a committed checkpoint directory (no {MARKER} file); "
-                f"use 'auto', 'none' or a path like {self.dir}/step_00000100."
-            )
-        return path
+            return ResumeChoice(None)
+        if resume != "auto":
+            path = Path(resume)
+            if not (path / MARKER).exists():
+                raise CheckpointError(
+                    f"checkpoint.resume: {resume!r} is not a committed checkpoint directory (no {MARKER} "
+                    f"file); use 'auto', 'none' or a path like {self.dir}/step_00000100."
+                )
+            reason = self.verify(path)
+            if reason is not None:
+                raise CheckpointError(
+                    f"checkpoint.resume: {resume!r} fails verification: {reason}. Use 'auto' to take the "
+                    "newest valid checkpoint instead."
+                )
+            return ResumeChoice(path)
+        choice = self.latest_valid() if _rank() == 0 else None
+        if _dist():
+            box = [choice]
+            dist.broadcast_object_list(box, src=0)
+            choice = box[0]
+            if choice.path is not None:
+                self._verified.add(Path(choice.path).resolve())
+        self.resume_notes = choice.messages()
+        return choice
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint to resume from, None for a fresh start; skipped ones are in ``resume_notes``."""
+        return self.select_resume().path
+
+    # ---- when to save
+    def should_save(self, step: int) -> bool:
+        """True every ``save_steps`` steps and when ``save_minutes`` passed since the last save (rank 0's clock)."""
+        if self.cfg.save_steps and step % self.cfg.save_steps == 0:
+            return True
+        if self.save_minutes <= 0:
+            return False
+        due = torch.tensor(float(time.time() - self._last_save_time >= 60.0 * self.save_minutes))
+        if _dist():
+            dist.broadcast(due, src=0)
+        return bool(due.item())
 
     # ---- save
-    def save(
-        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict
-    ) -> Path:
-        """Write a checkpoint of ``step`` atomically; every rank calls this."""
-        final = self.dir / f"step_{step:08d}"
-        tmp = self.dir / f"step_{step:08d}.tmp"
-        rank = _rank()
-        if rank == 0:
+    def _paths(self, step: int) -> tuple[Path, Path]:
+        return self.dir / f"step_{step:08d}.tmp", self.dir / f"step_{step:08d}"
+
+    def _prepare(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+        self.wait()  # one save in flight at a time
+        tmp, final = self._paths(step)
+        if _rank() == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         _barrier()
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        _write_json(tmp / f"rng_rank{_rank()}.json", rng_state(self.device_type))
+        self._last_save_time = time.time()
+        return tmp, final, state
+
+    def save(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict
+    ) -> Path:
+        """Write a checkpoint of ``step`` and commit it before returning; every rank calls this."""
+        tmp, final, state = self._prepare(step, model, optimizer)
         with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp))
-        _write_json(tmp / f"rng_rank{rank}.json", rng_state(self.device_type))
+            dcp.save(state, storage_writer=self._writer(tmp))
         _barrier()
-        if rank == 0:
-            _write_json(tmp / "trainer_state.json", trainer_state)
-            (tmp / MARKER).write_text(f"step {step}\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._rotate()
+        if _rank() == 0:
+            self._commit(step, tmp, final, trainer_state)
         _barrier()
         return final
 
-    def _rotate(self) -> None:
+    def save_async(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict
+    ) -> None:
+        """Stage the state and return; the write and the commit finish in the background (see ``wait``)."""
+        tmp, final, state = self._prepare(step, model, optimizer)
+        trainer_state = json.loads(
+            json.dumps(trainer_state)
+        )  # a snapshot: the trainer keeps mutating its own
+        if _dist():
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")
+            future = dcp.async_save(state, storage_writer=self._writer(tmp), process_group=self._group)
+
+            def write() -> None:
+                future.result()
+        else:
+            staged = _stage_to_cpu(state, self._staging)
+
+            def write() -> None:
+                with _quiet_single_process():
+                    dcp.save(staged, storage_writer=self._writer(tmp))
+
+        pending = _PendingSave(step, tmp, final, thread=None)  # type: ignore[arg-type]
+
+        def run() -> None:
+            try:
+                write()
+                if _rank() == 0:
+                    self._commit(step, tmp, final, trainer_state)
+            except BaseException as e:  # noqa: BLE001 - re-raised in wait()
+                pending.error = e
+
+        pending.thread = threading.Thread(target=run, name=f"ckpt-save-{step}", daemon=True)
+        self._pending = pending
+        pending.thread.start()
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def poll(self) -> Path | None:
+        """Non-blocking: the path committed by a finished async save (once), else None."""
+        if self._pending is None or self._pending.thread.is_alive():
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the async save in flight (if any) is committed on every rank; its path, or None."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.thread.join()
+        _barrier(self._group)
+        if pending.error is not None:
+            raise CheckpointError(
+                f"asynchronous save of step {pending.step} to {pending.tmp} failed: {pending.error!r}; "
+                "the previous checkpoints are untouched."
+            ) from pending.error
+        return pending.final
+
+    def _commit(self, step: int, tmp: Path, final: Path, trainer_state: dict) -> None:
+        """Rank 0, after every rank's files are written: state, checksums, marker, rename, rotate."""
+        if self.fault_hook is not None:
+            self.fault_hook("written", tmp)
+        _write_json(tmp / "trainer_state.json", trainer_state)
+        write_checksums(tmp, self.threads)
+        with open(tmp / MARKER, "w") as f:
+            f.write(f"step {step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            _delete(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        self._verified.add(final.resolve())
+        self._rotate(keep_path=final)
+
+    def _rotate(self, keep_path: Path | None = None) -> None:
+        """Keep the newest ``keep_checkpoint_max`` committed checkpoints and always ``keep_path`` (the one just
+        committed, valid by construction); clear stale ``.tmp``/``.trash`` directories of crashed saves."""
         keep = max(int(self.cfg.keep_checkpoint_max), 1)
         for old in self.committed()[:-keep]:
-            # Remove the marker first: an interrupted delete leaves an uncommitted directory, never a broken one.
-            (old / MARKER).unlink(missing_ok=True)
-            shutil.rmtree(old, ignore_errors=True)
+            if keep_path is None or old.resolve() != keep_path.resolve():
+                _delete(old)
+        in_flight = self._pending.tmp if self._pending is not None else None
+        for stale in self.dir.glob("step_*.t*"):
+            if stale.suffix in (".tmp", ".trash") and stale != in_flight and stale.is_dir():
+                if keep_path is not None and stale.name == keep_path.name + ".tmp":
+                    continue
+                shutil.rmtree(stale, ignore_errors=True)
 
     # ---- load
-    def load(self, path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    def load(
+        self,
+        path: str | Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        verify: bool = True,
+    ) -> dict:
         """Load model (and optimizer) state in place; return the trainer state and restore this rank's RNG."""
         path = Path(path)
         if not (path / MARKER).exists():
             raise CheckpointError(f"{path} is not a committed checkpoint (no {MARKER} file).")
+        if verify and (path / CHECKSUMS).exists():
+            reason = self.verify(path)
+            if reason is not None:
+                raise CheckpointError(f"{path} fails verification: {reason}.")
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -260,7 +555,7 @@ def _safe_reader(path: Path) -> SafeFileSystemReader:
     reader = SafeFileSystemReader(str(path))
     try:
         reader.read_metadata()
-    except OSError as e:
+    except (OSError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{path}: cannot read the checkpoint metadata ({e}).") from e
     return reader
 
