@@ -31,12 +31,21 @@ from llmtrain.data.loader import BatchIterator, build_datasets
 from llmtrain.data.manifest import read_manifest
 from llmtrain.distributed.device import init_distributed, resolve_device
 from llmtrain.distributed.parallelize import parallelize
+from llmtrain.errors import LLMTrainError
 from llmtrain.models import build_model
 from llmtrain.train.checkpoint import Checkpointer
+from llmtrain.train.fault import FaultInjector, HangWatchdog, PreemptionHandler
 from llmtrain.train.metrics import PEAK_TFLOPS, MetricsLogger, memory_bytes, plot_losses
 from llmtrain.train.optim import build_optimizer
 from llmtrain.train.precision import LossScaler, autocast, grad_norm_
 from llmtrain.train.schedule import build_lr_schedule
+from llmtrain.train.stability import EventLog, HostSnapshot, StabilityGuard
+
+
+class TrainingDiverged(LLMTrainError):
+    """The stability guard gave up (too many rollbacks); the report says why."""
+
+    exit_code = 3
 
 
 def config_hash(cfg_dict: dict) -> str:
@@ -100,17 +109,28 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
 
+        # Survival: stability guard, fault injection (drills), checkpoints with fallback to the previous one.
+        self.events = EventLog(self.run_dir, echo=None, enabled=self.rank == 0)
+        self.guard = StabilityGuard(cfg.stability)
+        self.snapshot = HostSnapshot(int(cfg.stability.snapshot_max_gb * 2**30))
+        self.faults = FaultInjector(cfg.fault, self.run_dir, self.rank, d.model_args.vocab_size)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.device_type)
-        resume = self.checkpointer.resume_path()
-        if resume is not None:
-            self._load(resume)
+        self.checkpointer.fault_hook = self.faults.during_save
+        choice = self.checkpointer.select_resume()
+        if choice.path is not None:
+            self._load(choice.path)
+        elif cfg.model.init_from:
+            self._init_from(cfg.model.init_from)
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logging, cfg.train.max_steps, self.step, enabled=self.rank == 0
         )
+        self.events.echo = self.metrics.message
         for note in notes:
             self.metrics.message(f"note: {note}")
-        if resume is not None:
-            self.metrics.message(f"resumed from {resume} at step {self.step}")
+        for message in choice.messages():
+            self.events.write("checkpoint_fallback", reason=message)
+        if choice.path is not None:
+            self.events.write("resumed", step=self.step, path=str(choice.path))
         self.peak_flops = (cfg.logging.peak_tflops or PEAK_TFLOPS.get(self.device_type, 1.0)) * 1e12
 
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -140,17 +160,19 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg.train
-        lr = self.lr_at(self.step + 1)
+        step = self.step + 1
+        lr = self.lr_at(step) * self.guard.lr_scale(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        micro_batches = self.batches.next_step()
+        micro_batches = self.faults.before_step(step, self.batches.next_step())
         local_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
         n_tokens = int(self._dp_sum(torch.tensor(local_tokens, device=self.device)).item())
         loss_sum = torch.zeros((), device=self.device)
         for mb in micro_batches:
-            loss = self.forward_loss(mb)
+            loss = self.faults.poison_loss(step, self.forward_loss(mb))
             self.scaler.scale_loss(loss * (self.grad_scale / n_tokens)).backward()
             loss_sum += loss.detach()
+        self.faults.after_backward(step, self.model)
         params = [p for p in self.model.parameters() if p.grad is not None]
         self.scaler.unscale_(params)
         grad_norm = grad_norm_(params, cfg.grad_clip_norm)
@@ -195,40 +217,103 @@ class Trainer:
         if cfg.eval.at_start and self.step == 0:
             last_val = self._log_validation()
         self.model.train()
+        preempt = PreemptionHandler().install()
+        watchdog = (
+            HangWatchdog(self.run_dir, self.rank, cfg.run.hang_timeout_s).start()
+            if cfg.run.hang_timeout_s
+            else None
+        )
         t_last, tokens_last, step_last = time.time(), self.tokens_seen, self.step
-        while self.step < max_steps:
-            out = self.train_step()
-            if self.step % log_steps == 0 or self.step == max_steps:
-                dt = time.time() - t_last
-                tps = (self.tokens_seen - tokens_last) / max(dt, 1e-9)
-                self.metrics.log(
-                    {
-                        "step": self.step,
-                        "loss": out["loss"],
-                        "lr": out["lr"],
-                        "grad_norm": out["grad_norm"],
-                        "loss_scale": self.scaler.scale,
-                        "skipped_steps": self.scaler.skipped_steps,
-                        "tokens_per_s": tps,
-                        "mfu": self.derived.flops_per_token * tps / (self.peak_flops * self.world_size),
-                        "step_time_s": dt / max(self.step - step_last, 1),
-                        "tokens_seen": self.tokens_seen,
-                        "memory_bytes": memory_bytes(self.device_type),
-                    }
-                )
-                t_last, tokens_last, step_last = time.time(), self.tokens_seen, self.step
-            if cfg.train.eval_steps and self.step % cfg.train.eval_steps == 0:
+        try:
+            while self.step < max_steps:
+                out = self.train_step()
+                if watchdog is not None:
+                    watchdog.beat(self.step)
+                decision = self.guard.observe(self.step, out["loss"], out["grad_norm"])
+                if not decision.ok:
+                    self.events.write(
+                        decision.action, step=self.step, reason=decision.reason, **decision.values
+                    )
+                    if decision.action == "rollback":
+                        self._rollback(decision)
+                        t_last, tokens_last, step_last = time.time(), self.tokens_seen, self.step
+                        continue
+                    if decision.action == "give_up":
+                        raise TrainingDiverged(decision.reason)
+                if self.step % log_steps == 0 or self.step == max_steps:
+                    dt = time.time() - t_last
+                    tps = (self.tokens_seen - tokens_last) / max(dt, 1e-9)
+                    self.metrics.log(
+                        {
+                            "step": self.step,
+                            "loss": out["loss"],
+                            "lr": out["lr"],
+                            "grad_norm": out["grad_norm"],
+                            "loss_scale": self.scaler.scale,
+                            "skipped_steps": self.scaler.skipped_steps,
+                            "tokens_per_s": tps,
+                            "mfu": self.derived.flops_per_token * tps / (self.peak_flops * self.world_size),
+                            "step_time_s": dt / max(self.step - step_last, 1),
+                            "tokens_seen": self.tokens_seen,
+                            "memory_bytes": memory_bytes(self.device_type),
+                        }
+                    )
+                    t_last, tokens_last, step_last = time.time(), self.tokens_seen, self.step
+                if cfg.train.eval_steps and self.step % cfg.train.eval_steps == 0:
+                    last_val = self._log_validation()
+                if self.checkpointer.should_save(self.step):
+                    self.save()
+                committed = self.checkpointer.poll()
+                if committed is not None:
+                    self.events.write("checkpoint", step=int(committed.name[5:]), path=str(committed))
+                if preempt.should_stop():
+                    self.save()
+                    self.checkpointer.wait()
+                    self.events.write("preempted", step=self.step, signal=str(preempt.received))
+                    self.metrics.close()
+                    return {"step": self.step, "preempted": True}
+            if not (cfg.train.eval_steps and self.step % cfg.train.eval_steps == 0):
                 last_val = self._log_validation()
-            if cfg.checkpoint.save_steps and self.step % cfg.checkpoint.save_steps == 0:
+            if cfg.checkpoint.save_at_end and self.checkpointer.latest() != self._ckpt_dir(self.step):
                 self.save()
-        if not (cfg.train.eval_steps and self.step % cfg.train.eval_steps == 0):
-            last_val = self._log_validation()
-        if cfg.checkpoint.save_at_end and self.checkpointer.latest() != self._ckpt_dir(self.step):
-            self.save()
+            self.checkpointer.wait()
+        finally:
+            preempt.uninstall()
+            if watchdog is not None:
+                watchdog.stop()
         self.metrics.close()
         if cfg.logging.plot and self.rank == 0:
             plot_losses(self.metrics.path, self.run_dir / "loss.png")
         return {"step": self.step, **last_val}
+
+    def _rollback(self, decision) -> None:  # noqa: ANN001
+        """Go back to the newest good state before the spike and skip the data window that caused it."""
+        self.checkpointer.wait()
+        available = [int(p.name[5:]) for p in self.checkpointer.committed()]
+        if self.snapshot.step is not None:
+            available.append(self.snapshot.step)
+        plan = self.guard.plan(decision, sorted(set(available)))
+        if plan is None:
+            raise TrainingDiverged(
+                f"{decision.reason} at step {decision.step}, and no checkpoint precedes it."
+            )
+        if self.snapshot.step == plan.restore_step:
+            state, source = self.snapshot.restore(self.model, self.optimizer), "host memory"
+        else:
+            path = self._ckpt_dir(plan.restore_step)
+            state, source = self.checkpointer.load(path, self.model, self.optimizer), str(path)
+        self._restore_trainer_state(state, guard=False)
+        self.batches.consumed_samples += plan.skip_batches * self.derived.global_batch
+        self.events.write(
+            "rollback_done",
+            step=self.step,
+            source=source,
+            skipped_batches=plan.skip_batches,
+            skipped_samples=plan.skip_batches * self.derived.global_batch,
+            lr_factor=plan.lr_factor,
+            lr_until_step=plan.lr_until_step,
+            detected_step=plan.detected_step,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _ckpt_dir(self, step: int) -> Path:
@@ -240,17 +325,40 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "scaler": self.scaler.state_dict(),
             "data": self.batches.state_dict(),
+            "guard": self.guard.state_dict(),
             "config_hash": config_hash(json.loads(json.dumps(self.cfg, default=lambda o: o.__dict__))),
         }
 
-    def save(self) -> Path:
-        path = self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
-        self.metrics.message(f"checkpoint saved: {path}")
-        return path
+    def save(self) -> None:
+        """Checkpoint now (in the background with checkpoint.async_save); keep a host copy for rollbacks."""
+        state = self.trainer_state()
+        if self.cfg.checkpoint.async_save:
+            self.checkpointer.save_async(self.step, self.model, self.optimizer, state)
+        else:
+            path = self.checkpointer.save(self.step, self.model, self.optimizer, state)
+            self.events.write("checkpoint", step=self.step, path=str(path))
+            self.faults.after_save(self.step, path)
+        if self.cfg.stability.enabled and self.cfg.stability.snapshot_max_gb > 0:
+            self.snapshot.capture(self.step, self.model, self.optimizer, state)
 
     def _load(self, path: Path) -> None:
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        self._restore_trainer_state(self.checkpointer.load(path, self.model, self.optimizer), guard=True)
+
+    def _restore_trainer_state(self, state: dict, guard: bool) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.scaler.load_state_dict(state["scaler"])
         self.batches.load_state_dict(state["data"])
+        if guard and "guard" in state:  # a rollback keeps the guard's memory of what happened
+            self.guard.load_state_dict(state["guard"])
+
+    def _init_from(self, source: str) -> None:
+        """model.init_from: hf:PATH (a Hugging Face directory, safetensors) or a checkpoint directory."""
+        if source.startswith("hf:"):
+            from llmtrain.models.hf_io import init_from_hf
+
+            init_from_hf(self.model, source[3:])
+        else:
+            from llmtrain.train.checkpoint import load_model_weights
+
+            load_model_weights(source, self.model)

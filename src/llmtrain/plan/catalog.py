@@ -1,0 +1,187 @@
+"""Hardware catalog: what one accelerator can do, and the cluster a plan runs on.
+
+The figures are data, not code: ``devices.yaml`` next to this module lists every built-in device (NVIDIA
+A100/H100/H200/B200, Huawei Ascend 910A/910B/910C, a generic CPU) with its sources; a user adds or overrides
+devices with a YAML file in the same layout (``llmtrain plan --catalog FILE``). A :class:`Device` carries
+
+* ``peak_tflops``: dense bf16/fp16 tensor FLOP/s (no sparsity), the denominator of MFU;
+* ``memory_gib`` / ``memory_reserved_gib``: capacity, and what the runtime keeps for itself;
+* ``memory_bw_gbs``: device-memory bandwidth (bounds the element-wise kernels and the optimizer step);
+* ``intra_node_bw_gbs`` / ``inter_node_bw_gbs``: per-device, per-direction link bandwidth inside a node
+  (NVLink / HCCS) and between nodes (InfiniBand / RoCE);
+* ``matmul_efficiency``: the achievable fraction of peak on large GEMMs; unset, the planner's one global
+  value (:data:`DEFAULT_MATMUL_EFFICIENCY`) applies, so published figures are never fitted per device.
+
+:func:`parse_cluster` reads the ``--cluster NxDEVICE[@NODES]`` spelling (``32x910b@4``, ``8xh100``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmtrain.errors import ConfigError
+
+DEFAULT_MATMUL_EFFICIENCY = 0.62
+"""Fraction of peak that the GEMMs of a training step sustain (one global value; calibration in docs/planner.md)."""
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator model (see the module docstring for the meaning of each figure)."""
+
+    name: str
+    description: str
+    peak_tflops: float
+    memory_gib: float
+    memory_reserved_gib: float
+    memory_bw_gbs: float
+    intra_node_bw_gbs: float
+    inter_node_bw_gbs: float
+    devices_per_node: int
+    matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY
+    sources: str = ""
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    @property
+    def usable_bytes(self) -> float:
+        """Memory left to the training job after the runtime's reserve."""
+        return (self.memory_gib - self.memory_reserved_gib) * GIB
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_devices`` identical devices spread over ``num_nodes`` servers."""
+
+    device: Device
+    num_devices: int
+    num_nodes: int
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.num_devices // self.num_nodes
+
+    def describe(self) -> str:
+        return f"{self.num_devices} x {self.device.name} ({self.num_nodes} node{'s' * (self.num_nodes > 1)})"
+
+
+_REQUIRED = ("peak_tflops", "memory_gib", "memory_bw_gbs", "intra_node_bw_gbs", "inter_node_bw_gbs",
+             "devices_per_node")  # fmt: skip
+
+
+@dataclass
+class Catalog:
+    """Devices by canonical name, plus aliases (``910b`` -> ``ascend-910b``)."""
+
+    devices: dict[str, Device]
+    aliases: dict[str, str]
+
+    def get(self, name: str) -> Device:
+        key = name.strip().lower()
+        key = self.aliases.get(key, key)
+        if key not in self.devices:
+            known = ", ".join(sorted(self.devices))
+            alias = ", ".join(sorted(self.aliases))
+            raise ConfigError(
+                f"unknown device {name!r} in --cluster; known devices: {known} (aliases: {alias}). Add your own "
+                f"with --catalog FILE.yaml (same layout as llmtrain/plan/devices.yaml)."
+            )
+        return self.devices[key]
+
+
+def load_catalog(extra: str | Path | None = None) -> Catalog:
+    """The built-in catalog, updated with the devices and aliases of ``extra`` (a user YAML file) if given."""
+    text = resources.files("llmtrain.plan").joinpath("devices.yaml").read_text(encoding="utf-8")
+    catalog = _parse(yaml.safe_load(text), "llmtrain/plan/devices.yaml", Catalog({}, {}))
+    if extra is not None:
+        path = Path(extra)
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"--catalog {path} does not exist.") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--catalog {path} is not valid YAML: {e}.") from None
+        catalog = _parse(data, str(path), catalog)
+    return catalog
+
+
+def _parse(data: Any, source: str, base: Catalog) -> Catalog:
+    if not isinstance(data, dict) or not isinstance(data.get("devices", {}), dict):
+        raise ConfigError(
+            f"device catalog {source}: expected a mapping with a 'devices:' mapping of name -> figures."
+        )
+    devices, aliases = dict(base.devices), dict(base.aliases)
+    known = {f.name for f in fields(Device)}
+    for name, spec in (data.get("devices") or {}).items():
+        key = str(name).lower()
+        if not isinstance(spec, dict):
+            raise ConfigError(f"device catalog {source}: devices.{name} must be a mapping of figures.")
+        merged = {**(_as_dict(devices[key]) if key in devices else {}), **spec}
+        unknown = sorted(set(merged) - known)
+        missing = [k for k in _REQUIRED if k not in merged]
+        if unknown or missing:
+            raise ConfigError(
+                f"device catalog {source}: devices.{name} "
+                + (f"has unknown keys {unknown}" if unknown else f"lacks {missing}")
+                + f"; valid keys: {', '.join(sorted(known - {'name'}))}."
+            )
+        merged.update(name=key, description=str(merged.get("description", key)))
+        merged.setdefault("memory_reserved_gib", 1.0)
+        try:
+            dev = Device(**merged)
+            numbers = [dev.peak_tflops, dev.memory_gib, dev.memory_bw_gbs, dev.intra_node_bw_gbs,
+                       dev.inter_node_bw_gbs, dev.devices_per_node, dev.matmul_efficiency]  # fmt: skip
+            if any(float(x) <= 0 for x in numbers) or not 0 < float(dev.matmul_efficiency) <= 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"device catalog {source}: devices.{name} needs positive numbers for {', '.join(_REQUIRED)} "
+                f"and a matmul_efficiency in (0, 1]."
+            ) from None
+        devices[key] = dev
+    for alias, target in (data.get("aliases") or {}).items():
+        aliases[str(alias).lower()] = str(target).lower()
+    return Catalog(devices, aliases)
+
+
+def _as_dict(dev: Device) -> dict[str, Any]:
+    return {f.name: getattr(dev, f.name) for f in fields(Device)}
+
+
+_CLUSTER = re.compile(r"^\s*(\d+)\s*[xX*]\s*([A-Za-z0-9._-]+?)\s*(?:@\s*(\d+))?\s*$")
+
+
+def parse_cluster(spec: str, catalog: Catalog) -> Cluster:
+    """``NxDEVICE[@NODES]`` -> Cluster; nodes default to ceil(N / devices_per_node)."""
+    m = _CLUSTER.match(spec or "")
+    if not m:
+        raise ConfigError(
+            f"--cluster {spec!r} is not of the form NxDEVICE[@NODES], e.g. 32x910b@4 or 8xh100."
+        )
+    n, device = int(m.group(1)), catalog.get(m.group(2))
+    if n < 1:
+        raise ConfigError(f"--cluster {spec!r}: the number of devices must be >= 1.")
+    nodes = int(m.group(3)) if m.group(3) else math.ceil(n / device.devices_per_node)
+    if nodes < 1 or n % nodes:
+        raise ConfigError(f"--cluster {spec!r}: {n} devices cannot be split evenly over {nodes} nodes.")
+    if n // nodes > device.devices_per_node:
+        raise ConfigError(
+            f"--cluster {spec!r}: {n // nodes} devices per node, but a {device.name} server holds "
+            f"{device.devices_per_node}; use @{math.ceil(n / device.devices_per_node)} nodes or more."
+        )
+    return Cluster(device=device, num_devices=n, num_nodes=nodes)

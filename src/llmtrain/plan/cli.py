@@ -1,0 +1,253 @@
+"""``llmtrain plan CONFIG [overrides] [--cluster NxDEVICE[@NODES]] [--search] [--json]``.
+
+Reads the run config (``load_config`` + ``derive``), builds the layout it describes on the cluster, and prints
+memory per device (itemised), step time, tokens/s per device, MFU and the days the configured tokens take;
+``--search`` ranks the alternatives; ``--claim KEY=VALUE`` checks a stated figure against the estimate and the
+physical bound (100% of peak FLOP/s; 16 bytes of training state per parameter spread over every device).
+Without ``--cluster`` the device comes from ``run.device_target`` (npu -> ascend-910b, cuda -> h100,
+cpu -> cpu) and the count from the parallel degrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from llmtrain.config.loader import load_config
+from llmtrain.config.schema import Config
+from llmtrain.distributed.parallel_dims import default_world_size
+from llmtrain.errors import ConfigError
+from llmtrain.plan.catalog import Cluster, load_catalog, parse_cluster
+from llmtrain.plan.memory import min_state_bytes_per_device
+from llmtrain.plan.search import PlanResult, evaluate, layout_from_config, search
+
+GIB = 2**30
+CLAIM_KEYS = ("tokens_per_s_per_device", "memory_per_device_gb", "steps_per_s", "days")
+_DEFAULT_DEVICE = {"npu": "ascend-910b", "cuda": "h100", "cpu": "cpu", "auto": "h100"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (native or MindFormers layout)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=4")
+    parser.add_argument(
+        "--cluster", help="NxDEVICE[@NODES], e.g. 32x910b@4 or 8xh100 (default: from the config)"
+    )
+    parser.add_argument(
+        "--catalog", help="extra device catalog YAML (same layout as llmtrain/plan/devices.yaml)"
+    )
+    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                        help="activation recompute (no config section for it yet)")  # fmt: skip
+    parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params, grads, states")
+    parser.add_argument("--search", action="store_true", help="rank the valid layouts of the cluster")
+    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
+    parser.add_argument("--claim", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"check a stated figure; KEY one of {', '.join(CLAIM_KEYS)}")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def resolve_cluster(cfg: Config, spec: str | None, catalog_path: str | None) -> Cluster:
+    catalog = load_catalog(catalog_path)
+    if spec:
+        return parse_cluster(spec, catalog)
+    n = default_world_size(cfg.parallel)
+    device = _DEFAULT_DEVICE.get(cfg.run.device_target, "h100")
+    return parse_cluster(f"{n}x{device}", catalog)
+
+
+def check_claims(claims: list[str], result: PlanResult, cluster: Cluster, total_tokens: int) -> list[dict]:
+    """One verdict per claim: impossible (beyond physics), implausible (beyond the estimate by > 20%), or ok."""
+    args_flops = result.time.model_flops / (result.tokens_per_step / result.layout.world_size)
+    bound_tps = cluster.device.peak_flops / args_flops  # tokens/s per device at 100% MFU
+    out = []
+    for item in claims:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        try:
+            value = float(text.replace(",", "").replace("_", ""))
+        except ValueError:
+            value = math.nan
+        if not sep or key not in CLAIM_KEYS or not value > 0:
+            raise ConfigError(
+                f"--claim {item!r}: expected KEY=NUMBER with KEY one of {', '.join(CLAIM_KEYS)}."
+            )
+        steps_per_s_bound = bound_tps * result.layout.world_size / result.tokens_per_step
+        if key in ("tokens_per_s_per_device", "steps_per_s"):
+            tps = (
+                value
+                if key == "tokens_per_s_per_device"
+                else value * result.tokens_per_step / cluster.num_devices
+            )
+            needed_mfu = tps * args_flops / cluster.device.peak_flops
+            est = (
+                result.tokens_per_s_per_device if key == "tokens_per_s_per_device" else 1 / result.step_time_s
+            )
+            bound = bound_tps if key == "tokens_per_s_per_device" else steps_per_s_bound
+            verdict = "impossible" if needed_mfu > 1 else "implausible" if value > 1.2 * est else "plausible"
+            text = (f"needs {needed_mfu:.0%} of the device's peak FLOP/s (MFU); the physical bound is "
+                    f"{bound:,.4g}, the estimate {est:,.4g}")  # fmt: skip
+        elif key == "memory_per_device_gb":
+            floor = min_state_bytes_per_device(result.memory_args, cluster.num_devices)  # type: ignore[attr-defined]
+            est = result.memory.total
+            verdict = (
+                "impossible"
+                if value * 1e9 < floor
+                else "implausible"
+                if value * 1e9 < 0.8 * est
+                else "plausible"
+            )
+            text = (f"the training state alone (16 B/parameter over all {cluster.num_devices} devices, ZeRO-3) is "
+                    f"{floor / 1e9:.1f} GB per device, {floor / (value * 1e9):.1f}x the claim; this layout needs "
+                    f"{est / 1e9:.1f} GB")  # fmt: skip
+        else:  # days for the configured tokens
+            best_days = total_tokens / (bound_tps * cluster.num_devices) / 86400
+            est = total_tokens / (result.tokens_per_s_per_device * cluster.num_devices) / 86400
+            verdict = (
+                "impossible" if value < best_days else "implausible" if value < 0.8 * est else "plausible"
+            )
+            text = f"at 100% MFU the configured tokens take {best_days:,.1f} days; the estimate is {est:,.1f} days"
+        ratio = value / est if est else math.inf
+        out.append({"claim": item, "verdict": verdict, "claimed": value, "estimate": est,
+                    "claimed_over_estimate": ratio, "explanation": text})  # fmt: skip
+    return out
+
+
+def plan_dict(result: PlanResult, cluster: Cluster, total_tokens: int, warnings: list[str]) -> dict:
+    """The --json contract."""
+    tps = result.tokens_per_s_per_device
+    days = total_tokens / (tps * cluster.num_devices) / 86400 if total_tokens else 0.0
+    t = result.time
+    return {
+        "cluster": cluster.describe(),
+        "device": cluster.device.name,
+        "layout": result.layout.describe(),
+        "fits": result.memory.fits,
+        "memory_per_device_bytes": result.memory.as_dict(),
+        "memory_capacity_bytes": result.memory.capacity,
+        "memory_detail_bytes": {**result.memory.details, "host_offload": result.memory.host_bytes},
+        "memory_worst_stage": result.memory.stage,
+        "step_time_s": t.total,
+        "step_time_parts_s": {
+            "compute": t.compute,
+            "tp_comm": t.tp_comm,
+            "pp_bubble": t.pp_bubble,
+            "pp_p2p": t.pp_p2p,
+            "dp_exposed": t.dp_exposed,
+            "dp_total": t.dp_total,
+            "cp_exposed": t.cp_exposed,
+            "optimizer": t.optimizer,
+        },  # fmt: skip
+        "tokens_per_step": result.tokens_per_step,
+        "tokens_per_s_per_device": tps,
+        "mfu": result.mfu,
+        "configured_tokens": total_tokens,
+        "days_for_configured_tokens": days,
+        "warnings": warnings,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg, _notes = load_config(args.config, args.overrides)
+    cluster = resolve_cluster(cfg, args.cluster, args.catalog)
+    layout, margs, tokens_per_step = layout_from_config(
+        cfg, cluster.num_devices, args.recompute, args.offload
+    )
+    fused = bool(cfg.train.compile)
+    result = evaluate(margs, layout, cluster, tokens_per_step, fused)
+    result.memory_args = margs  # type: ignore[attr-defined]
+    total_tokens = cfg.train.max_steps * tokens_per_step
+    warnings = collect_warnings(cfg, result, cluster)
+    claims = check_claims(args.claim, result, cluster, total_tokens)
+    out = plan_dict(result, cluster, total_tokens, warnings)
+    out["model"] = {"family": margs.family, "parameters": margs.num_params(), "seq_length": layout.seq_length,
+                    "flops_per_token": margs.flops_per_token(layout.seq_length)}  # fmt: skip
+    out["claims"] = claims
+    ranked: list[PlanResult] = []
+    if args.search:
+        ranked, tried, fitting = search(margs, layout, cluster, tokens_per_step, fused, top=args.top)
+        out["search"] = {"tried": tried, "fit": fitting,
+                         "top": [{**plan_dict(r, cluster, total_tokens, []), "why": r.why()} for r in ranked]}  # fmt: skip
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(render(out, result, ranked))
+    return 0
+
+
+def collect_warnings(cfg: Config, result: PlanResult, cluster: Cluster) -> list[str]:
+    w: list[str] = []
+    mem, lay = result.memory, result.layout
+    if not mem.fits:
+        w.append(
+            f"does not fit: {mem.total / GIB:.1f} GiB needed per device (stage {mem.stage}) but a "
+            f"{cluster.device.name} leaves {mem.capacity / GIB:.1f} GiB; try --recompute full, a higher ZeRO stage, "
+            f"more pipeline/tensor parallel, --offload, or --search."
+        )
+    elif mem.total > 0.9 * mem.capacity:
+        w.append(f"tight: {mem.total / mem.capacity:.0%} of the usable device memory; fragmentation may OOM.")
+    if lay.zero_stage == 1:
+        w.append(
+            "ZeRO-1 is run as ZeRO-2 by FSDP2 (same communication, gradients sharded too); planned as such."
+        )
+    if lay.ep > 1:
+        w.append(
+            f"expert_parallel {lay.ep} has no effect: the {cfg.model.model_type} model is dense (no MoE)."
+        )
+    if lay.pp > 1 and cfg.parallel.micro_batch_num not in (1, lay.grad_accum):
+        w.append(
+            f"parallel.micro_batch_num {cfg.parallel.micro_batch_num} differs from the {lay.grad_accum} "
+            f"micro-batches per step that train.batch_size implies; the planner uses {lay.grad_accum}."
+        )
+    if cfg.train.precision == "fp32":
+        w.append("train.precision fp32: the estimate uses fp32 activations and fp32 FLOP/s are far below the "
+                 "bf16 peak on tensor-core devices; planned at the bf16/fp16 peak (optimistic).")  # fmt: skip
+    if cfg.train.max_steps * result.tokens_per_step == 0:
+        w.append("train.max_steps is 0: no configured tokens.")
+    return w
+
+
+def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
+    m = out["memory_per_device_bytes"]
+    det = out["memory_detail_bytes"]
+    lines = [
+        f"plan: {out['model']['family']} {out['model']['parameters'] / 1e9:.2f}B parameters, seq "
+        f"{out['model']['seq_length']}, on {out['cluster']}",
+        f"layout: {out['layout']}  ({out['tokens_per_step']:,} tokens per step)",
+        "",
+        f"memory per device (worst pipeline stage {out['memory_worst_stage']}):",
+    ]
+    rows = [("parameters (fp32, sharded at rest)", m["parameters"]), ("gradients (fp32)", m["gradients"]),
+            ("optimizer states (AdamW m, v)", m["optimizer_states"]), ("activations", m["activations"]),
+            ("  gathered weights (FSDP working copy)", det["gathered_parameters"]),
+            ("  unsharded gradients (one block)", det["unsharded_gradients"]),
+            ("  logits and loss", det["logits_and_loss"]), ("other (sum of the three above)", m["other"]),
+            ("total", m["total"]), ("usable on the device", out["memory_capacity_bytes"])]  # fmt: skip
+    if det["host_offload"]:
+        rows.append(("host memory (offloaded)", det["host_offload"]))
+    lines += [f"  {name:<40} {value / GIB:10.2f} GiB" for name, value in rows]
+    lines.append(f"  {'fits':<40} {'yes' if out['fits'] else 'NO'}")
+    p = out["step_time_parts_s"]
+    lines += [
+        "",
+        f"time per step: {out['step_time_s']:.3f} s  ("
+        + ", ".join(f"{k} {v:.3f}" for k, v in p.items() if v > 0)
+        + ")",
+    ]
+    lines += [
+        f"tokens/s per device: {out['tokens_per_s_per_device']:,.0f}   MFU: {out['mfu']:.1%}",
+        f"configured tokens: {out['configured_tokens']:,} -> {out['days_for_configured_tokens']:,.2f} days",
+    ]
+    for c in out["claims"]:
+        lines.append(f"claim {c['claim']}: {c['verdict'].upper()} - {c['explanation']}")
+    for w in out["warnings"]:
+        lines.append(f"warning: {w}")
+    if "search" in out:
+        s = out["search"]
+        lines += ["", f"search: {s['tried']} layouts tried, {s['fit']} fit; best by tokens/s per device:"]
+        for i, r in enumerate(ranked, 1):
+            lines.append(f"  {i}. {r.layout.describe():<48} {r.tokens_per_s_per_device:>9,.0f} tok/s/dev  "
+                         f"MFU {r.mfu:5.1%}  step {r.step_time_s:.2f} s")  # fmt: skip
+            lines.append(f"     why: {r.why()}")
+        if not ranked:
+            lines.append("  none fits: more devices, --offload, or a smaller model/sequence are needed.")
+    return "\n".join(lines)
