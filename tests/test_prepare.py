@@ -76,7 +76,7 @@ def test_formats_and_token_counts(tmp_path, tok_file):
     assert tokenizer_path(str(out)) == out.parent / "ds.tokenizer.json"
     assert sha256_file(tokenizer_path(str(out))) == sha256_file(tok_file)
     assert sorted(p.name for p in out.parent.iterdir()) == [
-        "ds.bin", "ds.idx", "ds.manifest.json", "ds.tokenizer.json"
+        "ds.bin", "ds.idx", "ds.manifest.json", "ds.report.txt", "ds.tokenizer.json"
     ]  # fmt: skip
     assert len(logs) == 1 and "5 documents" in logs[0] and f"{manifest['tokens']:,} tokens" in logs[0]
 

@@ -147,6 +147,8 @@ def test_generate_cli_is_deterministic(tiny_corpus, tmp_path, capsys):
     assert sampled.startswith("def ")
     # a checkpoint directory works as well as the run directory
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
-    assert main(["generate", str(ckpt), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    assert (
+        main(["generate", str(ckpt), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    )
     assert capsys.readouterr().out == first
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2

@@ -225,6 +225,10 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{source}: {key}: expected a list, got {value!r}.")
         return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if tp is dict or typing.get_origin(tp) is dict:  # free-form mappings (validated by their consumer)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}.")
+        return value
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -194,6 +194,13 @@ class DataConfig:
     """Fraction of documents held out for validation (whole documents, never shared with training)."""
     num_workers: int = 0
     """Background workers of the torch DataLoader."""
+    eod_mask_loss: bool = False
+    """Ignore the loss of the token after each EOS (predicting a new document from no context)."""
+    mixture: list[dict] = field(default_factory=list)
+    """Mixture changes: [{start_sample: N, weights: [one per data.datasets entry]}]; from global sample N the
+    blend uses these weights (zero allowed)."""
+    prepare: dict | None = None
+    """Settings of `llmtrain prepare --config` (see llmtrain.data.pipeline.PrepareOptions)."""
 
 
 @dataclass

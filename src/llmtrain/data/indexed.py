@@ -13,8 +13,9 @@ here are read by Megatron-LM and MindFormers, and theirs by us. All integers are
            int64[C]  document_indices: 0, then the sequence count after each document
     .bin   the sequences' tokens back to back in the dtype, no header.
 
-``prepare`` writes one sequence per document, so ``document_indices`` is ``0, 1, ..., n``; the reader accepts
-multi-sequence documents as written by Megatron's sentence-split preprocessing. Reading is a memory map: a
+``prepare`` with ``concat`` packing writes one sequence per document, so ``document_indices`` is ``0, 1, ..., n``;
+with ``bestfit`` packing a sequence is one packed bin and a Megatron "document" is a group of bins that share a
+source document (see ``pack``). The reader accepts both, and Megatron's sentence-split multi-sequence documents. Reading is a memory map: a
 sequence is a zero-copy numpy view of the ``.bin`` file.
 """
 
@@ -72,11 +73,12 @@ class IndexedDatasetWriter:
             raise ValueError(f"dtype {self.dtype} has no Megatron code; use one of {list(DTYPE_CODES)}")
         self._limit = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
         self._bin = open(bin_path(self.prefix), "wb")  # noqa: SIM115 (closed in finalize)
-        self._lengths: list[int] = []
+        self._lengths: list[int] = []  # [S] sequence lengths
+        self._doc_ends: list[int] = []  # [D] sequence count after each document
         self.num_tokens = 0
 
-    def add_document(self, tokens) -> None:
-        """Append one document (a sequence of token ids) as one sequence."""
+    def add_document(self, tokens, lengths: list[int] | None = None) -> None:
+        """Append one document: ``tokens`` as one sequence, or as several of ``lengths`` (summing to its size)."""
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
@@ -85,12 +87,19 @@ class IndexedDatasetWriter:
                 f"Token id {int(arr.max())} does not fit the shard dtype {self.dtype} of '{self.prefix}.bin'; "
                 f"the tokenizer's vocabulary is larger than the dtype chosen for it."
             )
+        if lengths is not None and sum(lengths) != arr.size:
+            raise ValueError(f"sequence lengths {lengths} do not add up to the document's {arr.size} tokens")
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
-        self._lengths.append(int(arr.size))
+        self._lengths.extend([int(arr.size)] if lengths is None else [int(n) for n in lengths])
+        self._doc_ends.append(len(self._lengths))
         self.num_tokens += int(arr.size)
 
     @property
     def num_documents(self) -> int:
+        return len(self._doc_ends)
+
+    @property
+    def num_sequences(self) -> int:
         return len(self._lengths)
 
     def close(self) -> None:
@@ -104,7 +113,7 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
             np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
-        doc_indices = np.arange(len(lengths) + 1, dtype=np.int64)
+        doc_indices = np.asarray([0, *self._doc_ends], dtype=np.int64)
         with open(idx_path(self.prefix), "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))

@@ -14,7 +14,13 @@ with another DP size, and refuses to resume on different data.
 
 A batch is a dict of int64 tensors, each ``[B, T]``: ``input_ids``, ``labels`` (inputs shifted by one),
 ``position_ids`` (restart at 0 after each EOS) and ``document_ids`` (increment after each EOS), the last two
-for document-masked attention.
+for document-masked attention. Padding of ``bestfit`` bins has label ``-100`` (ignored by the loss); with
+``data.eod_mask_loss`` the label after each EOS (predicting a new document from nothing) is ``-100`` too.
+
+Datasets may be multi-shard (``PREFIX.manifest.json`` listing ``PREFIX_00000.bin`` ...) and ``bestfit``-packed
+(the manifest's ``packing``; its ``seq_length`` must equal ``model.seq_length``). ``data.mixture`` (a list of
+``{start_sample, weights}``) changes the blend at given samples (see ``samples``). The iterator also counts, per
+dataset path, the input tokens consumed by all ranks (``consumed_tokens``); that count is in its state.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ import numpy as np
 import torch
 
 from llmtrain.data.indexed import IndexedDataset, bin_path, idx_path
-from llmtrain.data.manifest import manifest_path, read_manifest
-from llmtrain.data.samples import BlendedSamples, TokenWindows
+from llmtrain.data.manifest import fingerprint_fields, manifest_path, read_manifest, shard_entries
+from llmtrain.data.samples import BinSamples, BlendedSamples, TokenWindows
 from llmtrain.errors import ConfigError, DataError
 
 __all__ = [
     "BatchIterator",
+    "BinSamples",
     "BlendedSamples",
     "TokenWindows",
     "build_datasets",
@@ -77,8 +84,23 @@ def _sequences(doc_index: np.ndarray, chosen: np.ndarray) -> np.ndarray:
     )
 
 
-def _open(prefix: str, where: str) -> tuple[IndexedDataset, dict]:
-    """Dataset and manifest of ``prefix`` (named ``where`` in the config), checked against each other."""
+def split_shards(
+    shards: list[IndexedDataset], valid_fraction: float, seq_length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(shard, sequence)`` pairs [D, 2] of the (train, valid) documents of a multi-shard dataset.
+
+    The split is per shard (each shard's documents split as by :func:`split_documents`), so it is fixed by the
+    data alone and a document is never on both sides."""
+    train, valid = [], []
+    for i, ds in enumerate(shards):
+        t, v = split_documents(ds, valid_fraction, seq_length)
+        train.append(np.stack([np.full_like(t, i), t], axis=1))
+        valid.append(np.stack([np.full_like(v, i), v], axis=1))
+    return np.concatenate(train), np.concatenate(valid)
+
+
+def _open(prefix: str, where: str) -> tuple[list[IndexedDataset], dict]:
+    """Shards and manifest of ``prefix`` (named ``where`` in the config), checked against each other."""
     if not any(p.exists() for p in (bin_path(prefix), idx_path(prefix), manifest_path(prefix))):
         raise DataError(
             f"{where} = '{prefix}': no dataset at this prefix ({prefix}.bin, {prefix}.idx and "
@@ -86,21 +108,25 @@ def _open(prefix: str, where: str) -> tuple[IndexedDataset, dict]:
             f"the path (relative paths are relative to the working directory)."
         )
     manifest = read_manifest(prefix)
-    dataset = IndexedDataset(prefix)
-    expected = manifest["files"]["bin"]["bytes"]
-    actual = bin_path(prefix).stat().st_size
-    if (
-        actual != expected
-        or dataset.num_tokens != manifest["tokens"]
-        or dataset.dtype.name != manifest["dtype"]
-    ):
+    shards = []
+    for shard_prefix, entry in shard_entries(prefix, manifest):
+        dataset = IndexedDataset(shard_prefix)
+        expected = entry["files"]["bin"]["bytes"]
+        actual = bin_path(shard_prefix).stat().st_size
+        if actual != expected or dataset.dtype.name != manifest["dtype"]:
+            raise DataError(
+                f"{where} = '{prefix}': the files of shard '{shard_prefix}' do not match the manifest ({actual} "
+                f"bytes of {dataset.dtype.name} tokens on disk, the manifest says {expected} bytes of "
+                f"{manifest['dtype']}). The files were changed or copied incompletely; run prepare again."
+            )
+        shards.append(dataset)
+    on_disk = sum(d.num_tokens for d in shards)
+    if on_disk != manifest["tokens"]:
         raise DataError(
-            f"{where} = '{prefix}': the .bin/.idx files do not match the manifest ({actual} bytes and "
-            f"{dataset.num_tokens} {dataset.dtype.name} tokens on disk, the manifest says {expected} bytes and "
-            f"{manifest['tokens']} {manifest['dtype']} tokens). The files were changed or copied incompletely; "
-            f"run prepare again."
+            f"{where} = '{prefix}': the .bin/.idx files do not match the manifest ({on_disk} tokens on disk, the "
+            f"manifest says {manifest['tokens']}). The files were changed or copied incompletely; run prepare again."
         )
-    return dataset, manifest
+    return shards, manifest
 
 
 def build_datasets(cfg: Any) -> tuple[BlendedSamples, BlendedSamples]:
@@ -123,7 +149,7 @@ def build_datasets(cfg: Any) -> tuple[BlendedSamples, BlendedSamples]:
         where = f"data.datasets[{i}].path"
         if not weight > 0:
             raise ConfigError(f"data.datasets[{i}].weight = {weight}: blend weights must be positive.")
-        dataset, manifest = _open(str(prefix), where)
+        shards, manifest = _open(str(prefix), where)
         sha = manifest["tokenizer"]["sha256"]
         if tokenizer_sha is not None and sha != tokenizer_sha:
             raise DataError(
@@ -132,8 +158,18 @@ def build_datasets(cfg: Any) -> tuple[BlendedSamples, BlendedSamples]:
             )
         tokenizer_sha = sha
         eos_id = manifest["tokenizer"]["eos_id"]
-        train_ids, valid_ids = split_documents(dataset, valid_fraction, seq_length)
-        source = TokenWindows(dataset, train_ids, seq_length, seed, eos_id=eos_id)
+        packing = manifest.get("packing") or {"mode": "concat"}
+        kind = TokenWindows
+        if packing["mode"] == "bestfit":
+            kind = BinSamples
+            if int(packing["seq_length"]) != seq_length:
+                raise DataError(
+                    f"{where} = '{prefix}' was packed (bestfit) for seq_length {packing['seq_length']}, but "
+                    f"model.seq_length is {seq_length}; run prepare again with --seq-length {seq_length}."
+                )
+        train_ids, valid_ids = split_shards(shards, valid_fraction, seq_length)
+        identity = fingerprint_fields(manifest)
+        source = kind(shards, train_ids, seq_length, seed, eos_id=eos_id, identity=identity, name=str(prefix))
         if len(source) == 0:
             raise DataError(
                 f"{where} = '{prefix}' has {source.num_tokens} training tokens, fewer than model.seq_length + 1 "
@@ -141,20 +177,50 @@ def build_datasets(cfg: Any) -> tuple[BlendedSamples, BlendedSamples]:
             )
         train.append(source)
         weights.append(weight)
-        held_out = TokenWindows(dataset, valid_ids, seq_length, seed, eos_id=eos_id)
+        held_out = kind(
+            shards, valid_ids, seq_length, seed, eos_id=eos_id, identity=identity, name=str(prefix)
+        )
         if len(held_out) > 0:
             valid.append(held_out)
             valid_weights.append(weight)
     meta = {"valid_fraction": valid_fraction, "seq_length": seq_length}
-    return (
-        BlendedSamples(train, weights, seed, meta={**meta, "split": "train"}),
-        BlendedSamples(valid, valid_weights, seed, meta={**meta, "split": "valid"}),
-    )
+    schedule = _mixture(getattr(cfg.data, "mixture", None), len(train))
+    train_blend = BlendedSamples(train, weights, seed, meta={**meta, "split": "train"}, schedule=schedule)
+    valid_blend = BlendedSamples(valid, valid_weights, seed, meta={**meta, "split": "valid"})
+    for blend in (train_blend, valid_blend):
+        blend.eod_mask_loss = bool(getattr(cfg.data, "eod_mask_loss", False))
+    return train_blend, valid_blend
 
 
-def make_batch(tokens: np.ndarray, eos_ids: np.ndarray) -> dict[str, torch.Tensor]:
-    """Batch tensors from windows ``tokens`` [B, T+1] and each row's EOS id ``eos_ids`` [B] (-1: none)."""
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]  # [B, T]
+def _mixture(entries: Any, n: int) -> list[tuple[int, list[float]]]:
+    """``data.mixture`` -> [(start_sample, weights)]; ConfigError naming the bad entry."""
+    schedule = []
+    for i, e in enumerate(entries or []):
+        get = e.get if isinstance(e, dict) else lambda k, d=None, e=e: getattr(e, k, d)
+        start, w = get("start_sample"), get("weights")
+        if not isinstance(start, int) or start < 1 or not isinstance(w, list | tuple) or len(w) != n:
+            raise ConfigError(
+                f"data.mixture[{i}] = {e!r}: expected {{start_sample: N >= 1, weights: [{n} non-negative "
+                f"numbers, one per data.datasets entry]}}."
+            )
+        if any(not float(x) >= 0 for x in w) or not sum(map(float, w)) > 0:
+            raise ConfigError(f"data.mixture[{i}].weights = {list(w)}: non-negative with a positive sum.")
+        schedule.append((start, [float(x) for x in w]))
+    return schedule
+
+
+def make_batch(
+    tokens: np.ndarray, eos_ids: np.ndarray, eod_mask_loss: bool = False
+) -> dict[str, torch.Tensor]:
+    """Batch tensors from windows ``tokens`` [B, T+1] (-1: padding) and each row's EOS id ``eos_ids`` [B]
+    (-1: none). Padding and, with ``eod_mask_loss``, the targets right after an EOS get label -100."""
+    pad = tokens < 0  # [B, T+1]
+    if pad.any():
+        tokens = np.where(pad, np.maximum(eos_ids, 0)[:, None], tokens)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].copy()  # [B, T]
+    labels[pad[:, 1:]] = -100
+    if eod_mask_loss:
+        labels[inputs == eos_ids[:, None]] = -100
     is_eos = inputs == eos_ids[:, None]  # [B, T]
     document_ids = np.cumsum(is_eos, axis=1) - is_eos  # EOS belongs to the document it ends
     steps = np.arange(inputs.shape[1])  # [T]
@@ -199,6 +265,8 @@ class BatchIterator:
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = int(consumed_samples)
+        self.consumed_tokens: dict[str, int] = dict.fromkeys(samples.names(), 0)
+        self._eod_mask_loss = bool(getattr(samples, "eod_mask_loss", False))
         self._eos = np.asarray(
             [-1 if s.eos_id is None else s.eos_id for s in samples.sources], dtype=np.int64
         )
@@ -216,18 +284,45 @@ class BatchIterator:
         for m in range(0, len(indices), self.micro_batch_size):
             picked = [self.samples.sample(g) for g in indices[m : m + self.micro_batch_size]]
             tokens = np.stack([window for _, window in picked])  # [B, T+1]
-            batches.append(make_batch(tokens, self._eos[[source for source, _ in picked]]))
+            eos = self._eos[[source for source, _ in picked]]
+            batches.append(make_batch(tokens, eos, self._eod_mask_loss))
+        self._account(range(self.consumed_samples, self.consumed_samples + self.global_batch_size))
         self.consumed_samples += self.global_batch_size
         return batches
 
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "fingerprint": self.samples.fingerprint}
+    def _account(self, indices: range) -> None:
+        """Add the input tokens of global samples ``indices`` (all ranks) to ``consumed_tokens``."""
+        names = self.samples.names()
+        for g in indices:
+            source, k = self.samples.locate(g)
+            self.consumed_tokens[names[source]] += self.samples.sources[source].sample_tokens(k)
 
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("fingerprint") != self.samples.fingerprint:
+    def state_dict(self) -> dict:
+        return {
+            "consumed_samples": self.consumed_samples,
+            "fingerprint": self.samples.fingerprint,
+            "mixture": self.samples.mixture(self.consumed_samples),
+            "consumed_tokens": dict(self.consumed_tokens),
+        }
+
+    def load_state_dict(self, sd: dict, allow_data_change: bool = False) -> None:
+        """Resume from ``sd``; DataError if it was saved for other data, or another mixture before its position
+        (``allow_data_change`` skips both checks: the run continues at the same sample count on new data)."""
+        consumed = int(sd["consumed_samples"])
+        mixture = sd.get("mixture")
+        same_mixture = mixture is None or mixture == self.samples.mixture(consumed)
+        if not allow_data_change and (sd.get("fingerprint") != self.samples.fingerprint or not same_mixture):
             raise DataError(
                 f"The checkpoint's data state was saved for other data (fingerprint {sd.get('fingerprint')!r}, "
-                f"this run's is {self.samples.fingerprint!r}): the datasets, their weights, model.seq_length, "
-                f"train.seed or data.valid_fraction changed. Restore them, or start without resuming the data state."
+                f"mixture {mixture}; this run's are {self.samples.fingerprint!r}, "
+                f"{self.samples.mixture(consumed)}): the datasets, their weights or mixture before sample "
+                f"{consumed}, model.seq_length, train.seed or data.valid_fraction changed. Restore them, or start "
+                f"without resuming the data state."
             )
-        self.consumed_samples = int(sd["consumed_samples"])
+        self.consumed_samples = consumed
+        saved = sd.get("consumed_tokens")
+        if saved is not None and set(saved) == set(self.consumed_tokens):
+            self.consumed_tokens = {k: int(v) for k, v in saved.items()}
+        else:  # an older state, or data changed on purpose: recount from the sample positions
+            self.consumed_tokens = dict.fromkeys(self.samples.names(), 0)
+            self._account(range(consumed))

@@ -7,7 +7,13 @@ A dataset prefix names four files: ``PREFIX.bin``, ``PREFIX.idx`` (Megatron form
      "tokenizer": {"file", "kind": "hf"|"sentencepiece", "sha256", "vocab_size", "eos_id", "bos_id"},
      "dtype": "uint16"|"int32", "documents": n, "tokens": n,
      "files": {"bin": {"name", "bytes", "sha256"}, "idx": {...}},
+     "shards": [{"name", "documents", "sequences", "tokens", "files": {"bin", "idx"}}, ...],
+     "packing": {"mode": "concat"|"bestfit", "seq_length"}, "prepare": {"key", "options"}, "report": {...},
      "inputs": [...], "created_by": "llmtrain <version>"}
+
+One shard is ``PREFIX.bin/.idx`` (and ``files`` describes it, as in the foundation); N shards are
+``PREFIX_00000.bin/.idx`` ... listed in ``shards`` (``files`` is then empty). A manifest without ``shards``
+(older, or hand-written) is one shard at the prefix itself.
 
 The manifest is written last and atomically by ``prepare``: its presence means the shard is complete. Its
 checksums feed the loader's fingerprint (a resumed run must read the same tokens). File names inside it are
@@ -90,10 +96,22 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def shard_entries(prefix: str, manifest: dict) -> list[tuple[str, dict]]:
+    """``(shard prefix, {"files": ...})`` of each shard of a dataset; a manifest without ``shards`` is one shard."""
+    folder = Path(prefix).parent
+    if manifest.get("shards"):
+        return [(str(folder / s["name"]), s) for s in manifest["shards"]]
+    return [(str(prefix), {"files": manifest["files"]})]
+
+
 def fingerprint_fields(manifest: dict) -> dict:
     """The parts of a manifest that identify its tokens (not its location or input paths)."""
     tok = manifest["tokenizer"]
     files = manifest["files"]
+    if len(manifest.get("shards") or []) > 1:
+        files = {
+            "shards": [[s["files"]["bin"]["sha256"], s["files"]["idx"]["sha256"]] for s in manifest["shards"]]
+        }
     return {
         "tokenizer_sha256": tok.get("sha256"),
         "vocab_size": tok.get("vocab_size"),
@@ -103,4 +121,6 @@ def fingerprint_fields(manifest: dict) -> dict:
         "tokens": manifest["tokens"],
         "bin_sha256": files.get("bin", {}).get("sha256"),
         "idx_sha256": files.get("idx", {}).get("sha256"),
+        **({"shards": files["shards"]} if "shards" in files else {}),
+        **({"packing": manifest["packing"]} if manifest.get("packing", {}).get("mode") == "bestfit" else {}),
     }

@@ -1,27 +1,38 @@
-"""``llmtrain prepare``: raw text -> tokenized Megatron shard + manifest + tokenizer copy.
+"""``llmtrain prepare``: raw text -> cleaned, filtered, deduplicated, tokenized, packed Megatron shards.
 
-    llmtrain prepare --input FILES... --output PREFIX (--tokenizer FILE | --train-tokenizer VOCAB_SIZE)
-                     [--text-key text] [--workers N] [--eos-token TOKEN] [--max-documents N]
+    llmtrain prepare --input PATHS... --output PREFIX (--tokenizer FILE | --train-tokenizer VOCAB_SIZE)
+        [--config RUN.yaml] [--clean] [--filter] [--dedup none|exact|near] [--pack concat|bestfit]
+        [--seq-length T] [--num-shards N] [--workers N] [--on-error raise|skip] [--rejects FILE]
+        [--partition I/N] [--text-key text] [--eos-token TOKEN] [--max-documents N] [--overwrite]
 
-Pipeline (one pass over the inputs, two when a tokenizer is trained first)::
+Stages, each switchable (``data.prepare`` in a run config, or the flags; see ``pipeline.PrepareOptions``)::
 
-    expand_inputs -> iter_documents -> chunks of documents -> encode_batch (main process or N workers)
-      -> ids + [EOS] per document -> IndexedDatasetWriter -> PREFIX.bin / .idx -> manifest
+    read (readers) -> clean (clean) -> quality filters (filters) -> tokenize      [worker processes]
+      -> exact + near dedup (dedup.DedupIndex) -> part files                       [main process, input order]
+      -> pack (pack) -> N shards + manifest + report (shards.write_dataset)         [at the end, or in merge]
 
-Output is atomic: everything is written under hidden temporary names (``.NAME.tmp-PID.*``) in the output folder
-and renamed into place only when complete, the manifest last (its presence marks a finished dataset); any error
-or interrupt removes the temporary files. With ``--workers N`` chunks are encoded in a process pool (each worker
-loads the tokenizer once, memoised) and written back in submission order, so the output is byte-identical to
-``--workers 1``; at most ``2 N`` chunks are in flight, so memory stays bounded on any corpus size.
+Workers receive chunks of documents and return arrays; chunks are consumed in submission order with at most
+``2 N`` in flight, so the output is byte-identical for any ``--workers`` and memory is bounded (the dedup
+index grows by ~1.5 KB per kept document; bestfit packs buffers of 4M tokens).
+
+Resumable and atomic: every input file becomes a finished *part* in ``.PREFIX.work/`` (``shards``); a killed
+run rerun with the same arguments skips finished parts (the dedup index is rebuilt from their signatures). The
+final shards and manifest are renamed into place, manifest last. An input error (``--on-error raise``)
+removes the work folder and leaves any previous dataset at PREFIX untouched; ``--on-error skip`` counts it.
+
+``--partition I/N`` processes every N-th document (by position among all non-blank input records) into
+``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions in
+order, removing duplicates across partitions (phase 2 of the two-phase dedup), and packs and shards them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
+import json
 import multiprocessing as mp
-import os
 import shutil
 import time
 from collections import deque
@@ -29,65 +40,108 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+import yaml
 
-from llmtrain import __version__
-from llmtrain.data.indexed import IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
-from llmtrain.data.manifest import FORMAT, VERSION, manifest_path, tokenizer_copy_name, write_json_atomic
-from llmtrain.data.readers import expand_inputs, iter_documents
-from llmtrain.data.tokenizer import TRAINED_EOS, Tokenizer, load_tokenizer, sha256_file, train_bpe
-from llmtrain.errors import DataError
+from llmtrain.data.dedup import DedupIndex
+from llmtrain.data.indexed import optimal_dtype
+from llmtrain.data.manifest import manifest_path, read_manifest, tokenizer_copy_name, write_json_atomic
+from llmtrain.data.pipeline import KEPT, PrepareOptions, options_from, process_chunk
+from llmtrain.data.readers import READERS, expand_inputs, file_kind, iter_documents
+from llmtrain.data.samples import digest
+from llmtrain.data.shards import (
+    PartWriter,
+    iter_part_documents,
+    load_part_index,
+    part_done,
+    write_dataset,
+)
+from llmtrain.data.tokenizer import TRAINED_EOS, Tokenizer, load_tokenizer, train_bpe
+from llmtrain.errors import ConfigError, DataError
 
-CHUNK_DOCUMENTS = 256  # documents per encode_batch call / worker task
+CHUNK_DOCUMENTS = 256  # documents per worker task
 CHUNK_CHARS = 4 << 20  # ... or fewer when they add up to this many characters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of the ``prepare`` subcommand."""
-    parser.add_argument(
+    """Flags of the ``prepare`` subcommand (flags override the ``data.prepare`` section of ``--config``)."""
+    a = parser.add_argument
+    a(
         "--input",
         nargs="+",
         required=True,
         metavar="PATH",
-        help="jsonl/txt files (optionally .gz), other text files, or directories",
+        help="jsonl/txt/parquet files (.gz/.zst), globs, dirs",
     )
-    parser.add_argument(
-        "--output",
-        required=True,
-        metavar="PREFIX",
-        help="writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json and the tokenizer copy",
-    )
-    parser.add_argument(
-        "--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) or .model (SentencePiece)"
-    )
-    parser.add_argument(
+    a("--output", required=True, metavar="PREFIX", help="writes PREFIX[_NNNNN].bin/.idx, manifest, report")
+    a("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) or .model (SentencePiece)")
+    a(
         "--train-tokenizer",
         type=int,
         metavar="VOCAB_SIZE",
-        help="train a byte-level BPE of this vocabulary size on the inputs instead",
+        help="train a byte-level BPE on the inputs instead",
     )
-    parser.add_argument(
-        "--text-key", default="text", help="JSON field holding the document text (default: text)"
+    a("--config", metavar="YAML", help="run config whose data.prepare section sets the stages")
+    a("--text-key", default="text", help="JSON field / parquet column holding the text (default: text)")
+    a("--workers", type=int, default=1, help="worker processes (default: 1)")
+    a("--eos-token", help="token appended after each document (default: the tokenizer's EOS)")
+    a("--max-documents", type=int, help="stop after this many input documents")
+    a("--clean", action="store_true", default=None, help="normalize Unicode, control chars, whitespace")
+    a("--mojibake", action="store_true", default=None, help="also repair UTF-8 decoded as cp1252")
+    a("--filter", action="store_true", default=None, help="Gopher quality/repetition filters")
+    a("--dedup", choices=["none", "exact", "near"], help="deduplication (default: none)")
+    a("--pack", choices=["concat", "bestfit"], help="packing (default: concat)")
+    a("--seq-length", type=int, help="sample length to pack for (default: 2048)")
+    a("--num-shards", type=int, help="number of .bin/.idx shards (default: 1)")
+    a("--on-error", choices=["raise", "skip"], help="malformed input: stop with an error, or skip and count")
+    a("--rejects", metavar="FILE", help="write rejected documents with reasons to this jsonl file")
+    a(
+        "--partition",
+        metavar="I/N",
+        help="process partition I of N (0-based); join them with `llmtrain merge`",
     )
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
-    parser.add_argument(
-        "--eos-token", help="token appended after each document (default: the tokenizer's EOS)"
-    )
-    parser.add_argument("--max-documents", type=int, help="stop after this many documents")
+    a("--overwrite", action="store_true", help="replace an existing dataset made with another tokenizer")
+
+
+FLAG_OPTIONS = ("text_key", "clean", "mojibake", "filter", "dedup", "pack", "seq_length", "num_shards",
+                "on_error", "rejects")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     """Run ``prepare`` from parsed flags; returns the exit code."""
+    section: dict = {}
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+        section = dict((raw.get("data") or {}).get("prepare") or {})
+    for name in FLAG_OPTIONS:
+        if name == "text_key" and args.text_key == "text" and "text_key" in section:
+            continue  # the flag's default does not override the config
+        if getattr(args, name, None) is not None:
+            section[name] = getattr(args, name)
     prepare(
         inputs=args.input,
         output=args.output,
         tokenizer=args.tokenizer,
         train_tokenizer=args.train_tokenizer,
-        text_key=args.text_key,
         workers=args.workers,
         eos_token=args.eos_token,
         max_documents=args.max_documents,
+        options=options_from(section),
+        partition=parse_partition(args.partition) if args.partition else None,
+        overwrite=args.overwrite,
     )
     return 0
+
+
+def parse_partition(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N); ConfigError unless 0 <= I < N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ConfigError(f"--partition {text!r}: expected I/N with 0 <= I < N, for example 0/4.")
+    return i, n
 
 
 def prepare(
@@ -95,13 +149,20 @@ def prepare(
     output: str,
     tokenizer: str | None = None,
     train_tokenizer: int | None = None,
-    text_key: str = "text",
+    text_key: str | None = None,
     workers: int = 1,
     eos_token: str | None = None,
     max_documents: int | None = None,
     log: Callable[[str], None] | None = print,
+    options: PrepareOptions | dict | None = None,
+    partition: tuple[int, int] | None = None,
+    overwrite: bool = False,
 ) -> dict:
-    """Tokenize ``inputs`` into the dataset ``output`` (a prefix); returns the manifest written."""
+    """Turn ``inputs`` into the dataset ``output`` (a prefix); returns its manifest (or, with ``partition``, the
+    partition's summary). See the module docstring for the stages, resume and partitions."""
+    opts = options_from(options)
+    if text_key is not None:
+        opts.text_key = text_key
     if (tokenizer is None) == (train_tokenizer is None):
         raise DataError(
             "prepare needs exactly one of --tokenizer FILE (an existing tokenizer.json or .model) and "
@@ -112,58 +173,119 @@ def prepare(
         raise DataError(f"--workers must be at least 1, got {workers}.")
     if max_documents is not None and max_documents < 1:
         raise DataError(f"--max-documents must be at least 1, got {max_documents}.")
+    if partition is not None and train_tokenizer is not None:
+        raise DataError(
+            "--partition needs --tokenizer: partitions must share one tokenizer, not train their own."
+        )
     start = time.perf_counter()
     files = expand_inputs(list(inputs))
+    given = load_tokenizer(tokenizer, eos_token) if tokenizer is not None else None  # fails before writing
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = str(out.parent / f".{out.name}.tmp-{os.getpid()}")
-    tok_source = tokenizer if tokenizer is not None else "trained.json"
-    tmp_tok = Path(f"{tmp_prefix}.tokenizer{'.model' if tok_source.endswith('.model') else '.json'}")
-    tmp_paths = [bin_path(tmp_prefix), idx_path(tmp_prefix), tmp_tok, manifest_path(tmp_prefix)]
-
-    def documents() -> Iterator[str]:
-        return itertools.islice(iter_documents(files, text_key), max_documents)
-
-    writer: IndexedDatasetWriter | None = None
-    try:
-        if tokenizer is not None:
-            tok = load_tokenizer(tokenizer, eos_token)
-            shutil.copyfile(tokenizer, tmp_tok)
-        else:
+    identity = {
+        "inputs": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "tokenizer": given.sha256 if given is not None else None,
+        "train_tokenizer": train_tokenizer,
+        "eos_token": eos_token,
+        "max_documents": max_documents,
+        "options": opts.identity(),
+        "partition": list(partition) if partition else None,
+    }
+    key = digest(identity)
+    if partition is None and manifest_path(output).is_file():
+        old = read_manifest(output)
+        if old.get("prepare", {}).get("key") == key:
             if log:
-                log(
-                    f"prepare: training a byte-level BPE tokenizer of {train_tokenizer} entries on the inputs"
-                )
-            tok = _train(documents(), train_tokenizer, str(tmp_tok), eos_token)
-        writer = IndexedDatasetWriter(tmp_prefix, optimal_dtype(tok.vocab_size))
-        eos = np.asarray([tok.eos_id], dtype=np.int64)
-        for ids in _encode_all(documents(), tok, eos_token, workers):
-            writer.add_document(np.concatenate([np.asarray(ids, dtype=np.int64), eos]))
-        writer.finalize()
-        if writer.num_documents == 0:
+                log(f"prepare: {output} is already complete for these arguments; nothing to do")
+            return old
+        new_sha = identity["tokenizer"]
+        if new_sha and old["tokenizer"].get("sha256") != new_sha and not overwrite:
             raise DataError(
-                f"No documents found in the inputs ({', '.join(map(str, inputs))}): every file was empty or a "
-                f"directory held no *.jsonl / *.txt (or .gz) files."
+                f"Output '{output}' already holds a dataset made with another tokenizer (sha256 "
+                f"{str(old['tokenizer'].get('sha256'))[:12]}, this run's is {new_sha[:12]}); shards of two "
+                f"tokenizers must not mix. Choose another --output, or pass --overwrite to replace it."
             )
-        manifest = _manifest(output, tmp_prefix, tok, tok_source, writer, files)
-        write_json_atomic(manifest_path(tmp_prefix), manifest)
-        _publish(tmp_prefix, output, tmp_tok)
-    finally:
-        if writer is not None:
-            writer.close()
-        for p in tmp_paths:
-            p.unlink(missing_ok=True)
+    workdir = (
+        Path(f"{output}.partitions") / f"{partition[0]}-of-{partition[1]}"
+        if partition
+        else out.parent / f".{out.name}.work"
+    )
+    state = workdir / "state.json"
+    if workdir.exists() and (not state.is_file() or json.loads(state.read_text()).get("key") != key):
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(state, {"key": key, "identity": identity})
+    try:
+        tok = given or _tokenizer(files, train_tokenizer, eos_token, opts, workdir, max_documents, log)
+        counters = _run_parts(files, tok, eos_token, opts, workers, workdir, max_documents, partition)
+        report = _report(counters, opts)
+        if report["stages"]["tokenize"]["out"] == 0:
+            raise DataError(
+                f"No documents found in the inputs ({', '.join(map(str, inputs))}): every file was empty, every "
+                f"document was removed by the filters or dedup, or a directory held no .jsonl/.txt/.parquet files."
+            )
+        extra = {"inputs": [str(f) for f in files], "prepare": {"key": key, "options": opts.identity()},
+                 "report": report}  # fmt: skip
+        if partition is not None:
+            summary = {**extra, "partition": list(partition), "parts": len(files),
+                       "tokenizer": _tok_entry(tok, output), "tokenizer_copy": Path(tok.path).name}  # fmt: skip
+            if Path(tok.path).parent != workdir:
+                shutil.copyfile(tok.path, workdir / Path(tok.path).name)
+            write_json_atomic(workdir / "done.json", summary)
+            if log:
+                log(f"prepare: partition {partition[0]}/{partition[1]} done -> {workdir}")
+            return summary
+        manifest = write_dataset(
+            output,
+            iter_part_documents(workdir, len(files)),
+            optimal_dtype(tok.vocab_size),
+            opts.pack,
+            opts.seq_length,
+            opts.num_shards,
+            _tok_entry(tok, output),
+            Path(tok.path),
+            extra,
+        )
+        _collect_rejects(workdir, len(files), opts.rejects)
+    except DataError:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
     if log:
         secs = time.perf_counter() - start
         log(
             f"prepare: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']}) "
-            f"from {len(files)} file(s) in {secs:.1f}s -> {output}.bin, {output}.idx, {output}.manifest.json, "
-            f"{Path(output).parent / manifest['tokenizer']['file']}"
+            f"from {len(files)} file(s) in {secs:.1f}s -> {output} ({len(manifest['shards'])} shard(s)); "
+            f"report: {output}.report.txt"
         )
     return manifest
 
 
-def _train(texts: Iterable[str], vocab_size: int, out_path: str, eos_token: str | None) -> Tokenizer:
+def _tok_entry(tok: Tokenizer, output: str) -> dict:
+    return {
+        "file": tokenizer_copy_name(output, tok.path),
+        "kind": tok.kind,
+        "sha256": tok.sha256,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "bos_id": tok.bos_id,
+    }
+
+
+def _tokenizer(files, train_tokenizer, eos_token, opts, workdir, max_documents, log) -> Tokenizer:
+    trained = workdir / "trained.tokenizer.json"
+    if not trained.is_file():
+        if log:
+            log(f"prepare: training a byte-level BPE tokenizer of {train_tokenizer} entries on the inputs")
+        tmp = workdir / ".trained.tmp.json"
+        _train(
+            itertools.islice(iter_documents(files, opts.text_key), max_documents), train_tokenizer, str(tmp)
+        )
+        tmp.replace(trained)
+    return load_tokenizer(str(trained), eos_token if eos_token not in (None, TRAINED_EOS) else TRAINED_EOS)
+
+
+def _train(texts: Iterable[str], vocab_size: int, out_path: str) -> None:
     """train_bpe, re-raising a DataError hit while the Rust trainer was pulling documents."""
     errors: list[BaseException] = []
 
@@ -173,18 +295,17 @@ def _train(texts: Iterable[str], vocab_size: int, out_path: str, eos_token: str 
         except Exception as e:  # surfaced after training; the trainer would otherwise wrap it
             errors.append(e)
 
-    tok = train_bpe(guarded(), vocab_size, out_path)
+    train_bpe(guarded(), vocab_size, out_path)
     if errors:
         raise errors[0]
-    return load_tokenizer(out_path, eos_token) if eos_token not in (None, TRAINED_EOS) else tok
 
 
-def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def _chunks(records: Iterable[tuple]) -> Iterator[list[tuple]]:
+    chunk: list[tuple] = []
     chars = 0
-    for text in texts:
-        chunk.append(text)
-        chars += len(text)
+    for rec in records:
+        chunk.append(rec)
+        chars += len(rec[0])
         if len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
             yield chunk
             chunk, chars = [], 0
@@ -192,76 +313,162 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-@functools.lru_cache(maxsize=2)
-def _worker_tokenizer(path: str, eos_token: str | None) -> Tokenizer:
-    """The tokenizer of a worker process, loaded on its first task and reused after."""
-    return load_tokenizer(path, eos_token)
+def _process(opts, tok_path, eos_token, texts):
+    return process_chunk(texts, opts, tok_path, eos_token)
 
 
-def _encode_chunk(path: str, eos_token: str | None, texts: list[str]) -> list[list[int]]:
-    return _worker_tokenizer(path, eos_token).encode_batch(texts)
-
-
-def _encode_all(
-    texts: Iterable[str], tok: Tokenizer, eos_token: str | None, workers: int
-) -> Iterator[list[int]]:
-    """Token ids of each text, in input order, encoded in-process or by ``workers`` processes."""
-    if workers == 1:
-        for chunk in _chunks(texts):
-            yield from tok.encode_batch(chunk)
+def _results(chunks: Iterator[list[tuple]], tok: Tokenizer, eos_token, opts, pool) -> Iterator[tuple]:
+    """(chunk records, ChunkResult) in order, computed in-process or by the pool (<= 2N in flight)."""
+    if pool is None:
+        for chunk in chunks:
+            yield chunk, process_chunk([r[0] for r in chunk], opts, tok.path, eos_token, tok)
         return
+    task = functools.partial(_process, opts, tok.path, eos_token)
+    pending: deque = deque()
+    for chunk in chunks:
+        pending.append((chunk, pool.apply_async(task, ([r[0] for r in chunk],))))
+        if len(pending) >= 2 * pool._processes:
+            c, r = pending.popleft()
+            yield c, r.get()
+    while pending:
+        c, r = pending.popleft()
+        yield c, r.get()
+
+
+def _run_parts(files, tok, eos_token, opts, workers, workdir, max_documents, partition) -> list[dict]:
+    """Process every input file into a finished part; returns the parts' counters."""
+    index = None
+    if opts.dedup != "none":
+        index = DedupIndex(dataclasses.replace(opts.minhash, near=opts.dedup == "near"))
+    ordinal, read = [0], 0  # non-blank records seen (partitioning), documents read (max_documents)
+    counters: list[dict] = []
     # spawn: the parent may already run tokenizers' thread pool (training), which fork would copy broken.
-    with mp.get_context("spawn").Pool(workers) as pool:
-        task = functools.partial(_encode_chunk, tok.path, eos_token)
-        pending: deque = deque()
-        for chunk in _chunks(texts):
-            pending.append(pool.apply_async(task, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield from pending.popleft().get()
-        while pending:
-            yield from pending.popleft().get()
+    pool = mp.get_context("spawn").Pool(workers) if workers > 1 else None
+    try:
+        for k, path in enumerate(files):
+            done = part_done(workdir, k)
+            if done is not None:
+                if index is not None:
+                    load_part_index(workdir, k, index)
+                ordinal[0], read = done["ordinal"], done["read_total"]
+                counters.append(done)
+                continue
+            if max_documents is not None and read >= max_documents:
+                c = _empty_counters()
+            else:
+                c = _run_part(k, path, tok, eos_token, opts, pool, workdir, index, ordinal, read, max_documents,
+                              partition)  # fmt: skip
+            read += c["read"]
+            c["ordinal"], c["read_total"] = ordinal[0], read
+            counters.append(c)
+            if c.get("_writer") is not None:
+                c.pop("_writer").commit({k2: v for k2, v in c.items()})
+            else:
+                write_json_atomic(Path(f"{workdir}/part-{k:05d}.json"), c)  # empty part marker
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return counters
 
 
-def _manifest(
-    output: str,
-    tmp_prefix: str,
-    tok: Tokenizer,
-    tok_source: str,
-    writer: IndexedDatasetWriter,
-    files: list[Path],
-) -> dict:
-    def entry(path: Path, final: Path) -> dict:
-        return {"name": final.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+def _empty_counters() -> dict:
+    return {"read": 0, "errors": {}, "rejected": {}, "exact_duplicate": 0, "near_duplicate": 0, "kept": 0,
+            "tokens": 0}  # fmt: skip
 
+
+def _run_part(k, path, tok, eos_token, opts, pool, workdir, index, ordinal, read, max_documents, partition):
+    c = _empty_counters()
+    errors: dict | None = {} if opts.on_error == "skip" else None
+    keep = None
+    if partition is not None:
+        i, n = partition
+
+        def keep() -> bool:
+            ordinal[0] += 1
+            return (ordinal[0] - 1) % n == i
+
+    records = READERS[file_kind(path)](path, opts.text_key, errors, keep)
+    if max_documents is not None:
+        records = itertools.islice(records, max_documents - read)
+    writer = PartWriter(workdir, k, optimal_dtype(tok.vocab_size), opts.rejects is not None)
+    eos = np.asarray([tok.eos_id], dtype=np.int64)
+    try:
+        for chunk, res in _results(_chunks(records), tok, eos_token, opts, pool):
+            offsets = np.concatenate([[0], np.cumsum(res.lengths)])
+            for j, (text, fpath, line) in enumerate(chunk):
+                c["read"] += 1
+                reason = res.status[j]
+                if reason == KEPT and index is not None:
+                    reason = (
+                        index.check(
+                            int(res.digests[j]),
+                            None if res.bands is None else res.bands[j],
+                            None if res.sigs is None else res.sigs[j],
+                        )
+                        or KEPT
+                    )
+                if reason != KEPT:
+                    if reason in ("exact_duplicate", "near_duplicate"):
+                        c[reason] += 1
+                    else:
+                        c["rejected"][reason] = c["rejected"].get(reason, 0) + 1
+                    writer.reject(text, reason, fpath, line)
+                    continue
+                ids = res.tokens[offsets[j] : offsets[j + 1]]
+                writer.add(np.concatenate([ids.astype(np.int64), eos]),
+                           None if res.digests is None else res.digests[j],
+                           None if res.bands is None else res.bands[j],
+                           None if res.sigs is None else res.sigs[j])  # fmt: skip
+                c["kept"] += 1
+                c["tokens"] += len(ids) + 1
+    except BaseException:
+        writer.abort()
+        raise
+    c["errors"] = dict(errors or {})
+    c["_writer"] = writer
+    return c
+
+
+def _report(parts: list[dict], opts: PrepareOptions) -> dict:
+    """Documents in/out per stage, summed over the parts."""
+    total = _empty_counters()
+    for c in parts:
+        for key in ("read", "exact_duplicate", "near_duplicate", "kept", "tokens"):
+            total[key] += c[key]
+        for key in ("errors", "rejected"):
+            for reason, n in c[key].items():
+                total[key][reason] = total[key].get(reason, 0) + n
+    empty = total["rejected"].pop("empty", 0)
+    filtered = sum(total["rejected"].values())
+    dups = total["exact_duplicate"] + total["near_duplicate"]
+    read = total["read"]
     return {
-        "format": FORMAT,
-        "version": VERSION,
-        "tokenizer": {
-            "file": tokenizer_copy_name(output, tok_source),
-            "kind": tok.kind,
-            "sha256": tok.sha256,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "bos_id": tok.bos_id,
-        },
-        "dtype": writer.dtype.name,
-        "documents": writer.num_documents,
-        "tokens": writer.num_tokens,
-        "files": {
-            "bin": entry(bin_path(tmp_prefix), bin_path(output)),
-            "idx": entry(idx_path(tmp_prefix), idx_path(output)),
-        },
-        "inputs": [str(f) for f in files],
-        "created_by": f"llmtrain {__version__}",
+        "errors_skipped": total["errors"],
+        "stages": {
+            "read": {"in": read + sum(total["errors"].values()), "out": read, "removed": total["errors"]},
+            "clean": {"in": read, "out": read - empty, "removed": {"empty": empty} if empty else {}},
+            "filter": {"in": read - empty, "out": read - empty - filtered, "removed": total["rejected"]},
+            "dedup": {
+                "in": read - empty - filtered,
+                "out": total["kept"],
+                "removed": {k: total[k] for k in ("exact_duplicate", "near_duplicate") if total[k]},
+            },
+            "tokenize": {"in": total["kept"], "out": total["kept"], "removed": {}},
+        },  # fmt: skip
+        "duplicates_removed": dups,
+        "tokens": total["tokens"],
+        "enabled": {"clean": opts.clean, "filter": opts.filter, "dedup": opts.dedup, "pack": opts.pack},
     }
 
 
-def _publish(tmp_prefix: str, output: str, tmp_tok: Path) -> None:
-    """Rename the finished files into place; the old manifest goes first and the new one comes last."""
-    manifest_path(output).unlink(missing_ok=True)
-    for suffix in (".tokenizer.json", ".tokenizer.model"):
-        Path(f"{output}{suffix}").unlink(missing_ok=True)
-    os.replace(bin_path(tmp_prefix), bin_path(output))
-    os.replace(idx_path(tmp_prefix), idx_path(output))
-    os.replace(tmp_tok, Path(output).parent / tokenizer_copy_name(output, str(tmp_tok)))
-    os.replace(manifest_path(tmp_prefix), manifest_path(output))
+def _collect_rejects(workdir: Path, parts: int, target: str | None) -> None:
+    """Concatenate the parts' rejects into ``target`` (atomically)."""
+    if target is None:
+        return
+    tmp = Path(f"{target}.tmp")
+    with open(tmp, "wb") as out:
+        for k in range(parts):
+            p = workdir / f"part-{k:05d}.rejects.jsonl"
+            if p.is_file():
+                out.write(p.read_bytes())
+    tmp.replace(target)

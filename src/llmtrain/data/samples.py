@@ -13,12 +13,24 @@ infinite; a source that runs out of windows continues in its next epoch (new doc
 blend is computed lazily in blocks and cached on the instance, so random access to sample ``g`` costs the blocks
 up to ``g`` once (about a microsecond per sample and source).
 
+A dataset may be several shards (``PREFIX_00000.bin`` ...): a TokenWindows then takes a list of memory maps
+and its documents are ``(shard, sequence)`` pairs; a window that crosses shards is gathered piece by piece.
+:class:`BinSamples` serves ``bestfit``-packed datasets: a sample is one stored bin, padded to ``seq_length + 1``
+with ``-1`` (the loader turns that into ignored labels), shuffled per epoch like the windows.
+
+The mixture can change at given samples: ``BlendedSamples(..., schedule=[(start, weights), ...])`` or
+``blend.with_weights(start, weights)``. Each segment runs the largest-error rule on its own counts (so its
+proportions track its weights from its first sample), while each source's sample index continues where it
+stopped, so no sample is repeated or skipped across a change. The schedule is data: a run that resumes with the
+same schedule reproduces the same order; ``mixture(upto)`` is what a checkpoint records and checks.
+
 Window reads are vectorised over the memory map: a window inside one document is a slice; a window spanning
 documents is one fancy-index gather built with ``np.repeat``, no per-token Python.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import dataclass
@@ -41,7 +53,8 @@ def digest(obj: object) -> str:
 class _EpochLayout:
     """One epoch of a TokenWindows: the document order and the window order."""
 
-    bin_start: np.ndarray  # [D] token offset in .bin of the epoch's j-th document
+    shard: np.ndarray  # [D] shard of the epoch's j-th document
+    bin_start: np.ndarray  # [D] token offset in its shard's .bin
     stream_start: np.ndarray  # [D] its first token's position in the epoch's stream
     stream_end: np.ndarray  # [D] one past its last token in the stream
     window_order: np.ndarray  # [W] shuffled window indices
@@ -52,29 +65,42 @@ class TokenWindows:
 
     def __init__(
         self,
-        dataset: IndexedDataset,
+        dataset: IndexedDataset | list[IndexedDataset],
         documents: np.ndarray,
         seq_length: int,
         seed: int,
         eos_id: int | None = None,
+        identity: dict | None = None,
+        name: str | None = None,
     ):
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
-        self.dataset = dataset
-        self.documents = np.asarray(documents, dtype=np.int64)  # [D] sequence ids
+        self.shards = list(dataset) if isinstance(dataset, list | tuple) else [dataset]
+        self.dataset = self.shards[0]
+        self.name = name or self.dataset.prefix
+        docs = np.asarray(documents, dtype=np.int64)
+        if docs.ndim == 1:  # sequence ids of a single shard
+            docs = np.stack([np.zeros_like(docs), docs], axis=1)
+        self.documents = docs[:, 1] if len(self.shards) == 1 else docs  # [D] or [D, 2] (shard, sequence)
         self.seq_length = int(seq_length)
         self.seed = int(seed) % 2**63  # SeedSequence takes non-negative entropy
-        self._lengths = dataset.sizes[self.documents].astype(np.int64)  # [D]
-        self._bin_start = dataset.pointers[self.documents] // dataset.dtype.itemsize  # [D] token offsets
+        self._shard, seq = docs[:, 0], docs[:, 1]  # [D], [D]
+        self._lengths = np.zeros(len(docs), dtype=np.int64)  # [D]
+        self._bin_start = np.zeros(len(docs), dtype=np.int64)  # [D] token offsets in their shard
+        for i, ds in enumerate(self.shards):
+            m = self._shard == i
+            self._lengths[m] = ds.sizes[seq[m]]
+            self._bin_start[m] = ds.pointers[seq[m]] // ds.dtype.itemsize
         self.num_tokens = int(self._lengths.sum())
-        self._num_windows = max((self.num_tokens - 1) // self.seq_length, 0)
-        identity = {"sequences": len(dataset), "tokens": dataset.num_tokens}
+        self._num_windows = self._count()
         self.eos_id = eos_id
-        if manifest_path(dataset.prefix).is_file():
-            manifest = read_manifest(dataset.prefix)
-            identity = fingerprint_fields(manifest)
-            if self.eos_id is None:
-                self.eos_id = manifest["tokenizer"].get("eos_id")
+        if identity is None:
+            identity = {"sequences": len(self.dataset), "tokens": self.dataset.num_tokens}
+            if manifest_path(self.dataset.prefix).is_file():
+                manifest = read_manifest(self.dataset.prefix)
+                identity = fingerprint_fields(manifest)
+                if self.eos_id is None:
+                    self.eos_id = manifest["tokenizer"].get("eos_id")
         self.fingerprint = digest(
             {
                 "dataset": identity,
@@ -86,8 +112,15 @@ class TokenWindows:
         )
         self._cache: tuple[int, _EpochLayout] | None = None
 
+    def _count(self) -> int:
+        return max((self.num_tokens - 1) // self.seq_length, 0)
+
     def __len__(self) -> int:
         return self._num_windows
+
+    def sample_tokens(self, k: int) -> int:
+        """Input tokens (not padding) of sample ``k``: always ``seq_length`` for windows."""
+        return self.seq_length
 
     def _layout(self, epoch: int) -> _EpochLayout:
         if self._cache is not None and self._cache[0] == epoch:
@@ -99,6 +132,7 @@ class TokenWindows:
         stream_end = np.cumsum(lengths)
         index_dtype = np.int32 if self._num_windows < 2**31 else np.int64
         layout = _EpochLayout(
+            shard=self._shard[order],
             bin_start=self._bin_start[order],
             stream_start=stream_end - lengths,
             stream_end=stream_end,
@@ -116,14 +150,23 @@ class TokenWindows:
         last = first + self.seq_length  # inclusive
         j0 = int(np.searchsorted(lay.stream_end, first, side="right"))
         j1 = int(np.searchsorted(lay.stream_end, last, side="right"))
-        tokens = self.dataset.tokens
         if j0 == j1:  # inside one document: a slice of the memory map
             start = int(lay.bin_start[j0] + first - lay.stream_start[j0])
-            return tokens[start : start + self.seq_length + 1].astype(np.int64)
+            return (
+                self.shards[int(lay.shard[j0])].tokens[start : start + self.seq_length + 1].astype(np.int64)
+            )
         docs = slice(j0, j1 + 1)
-        piece_len = np.minimum(lay.stream_end[docs], last + 1) - np.maximum(lay.stream_start[docs], first)
+        lo = np.maximum(lay.stream_start[docs], first)  # [n] first stream position of each piece
+        piece_len = np.minimum(lay.stream_end[docs], last + 1) - lo
+        if len(self.shards) > 1 and np.any(
+            lay.shard[docs] != lay.shard[j0]
+        ):  # crosses shards: piece by piece
+            starts = lay.bin_start[docs] + lo - lay.stream_start[docs]
+            return np.concatenate(
+                [self.shards[int(s)].tokens[b : b + n] for s, b, n in zip(lay.shard[docs], starts, piece_len)]
+            ).astype(np.int64)
         shift = np.repeat(lay.bin_start[docs] - lay.stream_start[docs], piece_len)  # [T+1]
-        return tokens[np.arange(first, last + 1) + shift].astype(np.int64)
+        return self.shards[int(lay.shard[j0])].tokens[np.arange(first, last + 1) + shift].astype(np.int64)
 
     def sample(self, k: int) -> np.ndarray:
         """The ``k``-th sample of the infinite shuffled sequence (epoch ``k // len``), [T+1] int64."""
@@ -136,30 +179,92 @@ class TokenWindows:
         return self.window(int(self._layout(epoch).window_order[j]), epoch)
 
 
+class BinSamples(TokenWindows):
+    """Samples of a ``bestfit`` dataset: each stored sequence is one bin, padded with -1 to ``seq_length + 1``."""
+
+    PAD = -1
+
+    def _count(self) -> int:
+        return len(self._lengths)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._cache is None or self._cache[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch, 2]).permutation(len(self._lengths))
+            self._cache = (epoch, order)  # type: ignore[assignment]
+        return self._cache[1]  # type: ignore[return-value]
+
+    def window(self, i: int, epoch: int = 0) -> np.ndarray:
+        """Bin ``i`` padded to [T+1] int64 (-1 marks padding)."""
+        n = min(int(self._lengths[i]), self.seq_length + 1)
+        start = int(self._bin_start[i])
+        out = np.full(self.seq_length + 1, self.PAD, dtype=np.int64)
+        out[:n] = self.shards[int(self._shard[i])].tokens[start : start + n]
+        return out
+
+    def sample(self, k: int) -> np.ndarray:
+        if self._num_windows == 0:
+            raise DataError(f"Dataset '{self.dataset.prefix}' has no packed bins in this split.")
+        epoch, j = divmod(int(k), self._num_windows)
+        return self.window(int(self._order(epoch)[j]), epoch)
+
+    def sample_tokens(self, k: int) -> int:
+        epoch, j = divmod(int(k), self._num_windows)
+        return min(int(self._lengths[int(self._order(epoch)[j])]), self.seq_length)
+
+
+def _normalise(weights: list[float], where: str) -> list[float]:
+    if not weights:  # an empty blend (for example no validation data); locate() explains
+        return []
+    if any(not w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"{where}: blend weights must be non-negative with a positive sum, got {weights}")
+    total = float(sum(weights))
+    return [float(w) / total for w in weights]
+
+
 class BlendedSamples:
     """Infinite weighted blend of :class:`TokenWindows`; ``sample(g) -> (source index, tokens [T+1])``."""
 
     def __init__(
-        self, sources: list[TokenWindows], weights: list[float], seed: int, meta: dict | None = None
+        self,
+        sources: list[TokenWindows],
+        weights: list[float],
+        seed: int,
+        meta: dict | None = None,
+        schedule: list[tuple[int, list[float]]] | None = None,
     ):
-        if len(sources) != len(weights):
-            raise ValueError(f"{len(sources)} sources but {len(weights)} weights")
-        if any(not w > 0 for w in weights):
-            raise ValueError(f"blend weights must be positive, got {weights}")
-        total = float(sum(weights))
+        segments = [(0, list(weights)), *sorted((int(s), list(w)) for s, w in (schedule or []))]
+        for start, w in segments:
+            if len(w) != len(sources):
+                raise ValueError(f"{len(sources)} sources but {len(w)} weights (segment at sample {start})")
+        starts = [s for s, _ in segments]
+        if starts[1:] and (starts[1] <= 0 or len(set(starts)) != len(starts)):
+            raise ValueError(f"mixture schedule starts must be distinct and positive, got {starts[1:]}")
         self.sources = list(sources)
-        self.weights = [float(w) / total for w in weights]
+        self.segments = [(s, _normalise(w, f"segment at sample {s}")) for s, w in segments]
+        self.weights = self.segments[0][1]
         self.seed = int(seed)
+        self.meta = meta or {}
         self.fingerprint = digest(
-            {
-                "sources": [s.fingerprint for s in self.sources],
-                "weights": self.weights,
-                "seed": self.seed,
-                "meta": meta or {},
-            }
+            {"sources": [s.fingerprint for s in self.sources], "seed": self.seed, "meta": self.meta}
         )
         self._blocks: list[tuple[np.ndarray, np.ndarray]] = []  # per block: source [B], source sample [B]
         self._counts = [0] * len(self.sources)  # samples given to each source before the next block
+        self._seg_counts = [0] * len(self.sources)  # ... within the current mixture segment
+
+    def with_weights(self, start_sample: int, weights: list[float]) -> BlendedSamples:
+        """A blend identical to this one before global sample ``start_sample`` and mixed by ``weights`` after it."""
+        kept = [(s, w) for s, w in self.segments[1:] if s < start_sample]
+        return BlendedSamples(
+            self.sources, self.segments[0][1], self.seed, self.meta, [*kept, (start_sample, weights)]
+        )
+
+    def mixture(self, upto: int | None = None) -> list[list]:
+        """``[[start, weights], ...]`` of the segments that begin before sample ``upto`` (all when None)."""
+        return [[s, [round(x, 12) for x in w]] for s, w in self.segments if upto is None or s < max(upto, 1)]
+
+    def names(self) -> list[str]:
+        """Dataset path of each source (the keys of per-source token accounting)."""
+        return [getattr(s, "name", str(i)) for i, s in enumerate(self.sources)]
 
     def __len__(self) -> int:
         """Samples in one nominal pass (every source's windows once); ``sample`` goes on past it."""
@@ -181,18 +286,25 @@ class BlendedSamples:
 
     def _next_block(self) -> tuple[np.ndarray, np.ndarray]:
         """The next BLEND_BLOCK decisions of the largest-error rule, continuing the running counts."""
-        weights, counts, n = self.weights, self._counts, len(self.weights)
+        counts, seg_counts, n = self._counts, self._seg_counts, len(self.sources)
         first = len(self._blocks) * BLEND_BLOCK
+        starts = [s for s, _ in self.segments]
         chosen, taken = [0] * BLEND_BLOCK, [0] * BLEND_BLOCK
         for t in range(BLEND_BLOCK):
-            x = float(max(first + t, 1))
-            best, best_err = 0, weights[0] * x - counts[0]
+            g = first + t
+            seg = bisect.bisect_right(starts, g) - 1
+            start, weights = self.segments[seg]
+            if g == start and g > 0:
+                seg_counts[:] = [0] * n  # a new mixture segment: its own largest-error counts
+            x = float(max(g - start, 1))
+            best, best_err = 0, weights[0] * x - seg_counts[0]
             for d in range(1, n):
-                err = weights[d] * x - counts[d]
+                err = weights[d] * x - seg_counts[d]
                 if err > best_err:
                     best, best_err = d, err
             chosen[t], taken[t] = best, counts[best]
             counts[best] += 1
+            seg_counts[best] += 1
         return np.asarray(chosen, dtype=np.int32), np.asarray(taken, dtype=np.int64)
 
     def sample(self, g: int) -> tuple[int, np.ndarray]:

@@ -255,6 +255,7 @@ class Trainer:
                             "mfu": self.derived.flops_per_token * tps / (self.peak_flops * self.world_size),
                             "step_time_s": dt / max(self.step - step_last, 1),
                             "tokens_seen": self.tokens_seen,
+                            "consumed_tokens": dict(self.batches.consumed_tokens),
                             "memory_bytes": memory_bytes(self.device_type),
                         }
                     )

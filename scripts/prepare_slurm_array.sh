@@ -1,0 +1,31 @@
+#!/bin/bash
+# Run `llmtrain prepare` as a Slurm array: task I of N processes partition I/N (every N-th input document),
+# then one dependent job merges the partitions (cross-partition dedup, packing, sharding).
+#
+#   sbatch --array=0-15 scripts/prepare_slurm_array.sh            # 16 partitions
+#   sbatch --dependency=afterok:<array job id> --export=ALL,MERGE=1 scripts/prepare_slurm_array.sh
+#
+# Edit INPUT / OUTPUT / TOKENIZER / OPTIONS below. A failed or preempted task can be resubmitted as is: finished
+# input files of its partition are skipped.
+#SBATCH --job-name=llmtrain-prepare
+#SBATCH --cpus-per-task=16
+#SBATCH --mem=64G
+#SBATCH --time=24:00:00
+#SBATCH --output=logs/prepare-%A_%a.out
+set -euo pipefail
+
+INPUT=${INPUT:-"/data/raw/*.jsonl.zst"}
+OUTPUT=${OUTPUT:-/data/tokens/web}
+TOKENIZER=${TOKENIZER:-/data/tokenizers/tokenizer.json}
+OPTIONS=${OPTIONS:-"--clean --filter --dedup near --pack bestfit --seq-length 4096"}
+NUM_SHARDS=${NUM_SHARDS:-64}
+
+if [[ "${MERGE:-0}" == "1" ]]; then
+    srun llmtrain merge --output "$OUTPUT" --num-shards "$NUM_SHARDS"
+else
+    N=${SLURM_ARRAY_TASK_COUNT:?run as an array job (sbatch --array=0-N)}
+    I=${SLURM_ARRAY_TASK_ID:?}
+    # shellcheck disable=SC2086 # OPTIONS and INPUT are word-split on purpose
+    srun llmtrain prepare --input $INPUT --output "$OUTPUT" --tokenizer "$TOKENIZER" $OPTIONS \
+        --workers "$SLURM_CPUS_PER_TASK" --partition "$I/$N"
+fi

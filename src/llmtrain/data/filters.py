@@ -1,0 +1,189 @@
+"""Document quality filters: Gopher-style document rules, Gopher repetition rules, optional C4 line rules.
+
+:func:`quality_check` returns ``(text, None)`` for a kept document or ``(text, reason)`` for a rejected one; the
+reason (``"too_short"``, ``"dup_ngram_5"``...) is what ``prepare`` counts in its report and writes to the
+rejects side file. The defaults, in :class:`FilterConfig`, are those of Rae et al. 2021 ("Scaling Language
+Models: Methods, Analysis & Insights from Training Gopher", appendix A) and Raffel et al. 2020 (C4):
+
+* length: 50 to 100,000 words; mean word length 3 to 10 characters;
+* symbols: at most 0.1 ``#`` or ``...``/``…`` per word; at most 90% of lines starting with a bullet and 30%
+  ending in an ellipsis; at least 80% of words containing an alphabetic character;
+* repetition: duplicate lines <= 30% (by count) and <= 20% (by characters); the same for paragraphs; the most
+  frequent 2/3/4-gram covers <= 20/18/16% of the characters; characters inside repeated 5..10-grams
+  <= 15/14/13/12/11/10%;
+* C4 line rules (off by default: they delete code and verse): keep only lines ending in terminal punctuation
+  with at least 3 words, drop lines mentioning javascript or cookie/privacy/terms boilerplate, reject pages
+  with "lorem ipsum" and pages left with fewer than 3 lines.
+
+Language awareness: a document whose letters are mostly CJK (Han, kana, Hangul) or Thai has no spaces between
+words, so its units are *characters* (whitespace removed) instead of words: the length rule counts characters
+(default 50 to 200,000), the mean-word-length rule does not apply, the alphabetic rule asks 60% of characters to
+be letters, and the repetition n-grams are character n-grams. Repetition statistics are computed with numpy on
+hashed units (a rolling polynomial hash per n), so a 100,000-word document costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_CJK = re.compile(r"[\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+_SPACE = re.compile(r"\s+")
+_ALPHA_WORD = re.compile(r"\S*[^\W\d_]\S*")  # a whitespace-delimited word holding a letter
+_PARAGRAPHS = re.compile(r"\n\s*\n")
+_BULLETS = ("•", "●", "○", "■", "□", "▪", "‣", "-", "*", "·", "–")
+_TERMINAL = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "…")
+_C4_BAD_LINE = re.compile(r"javascript|cookie policy|uses cookies|privacy policy|terms of use", re.IGNORECASE)
+_POLY = np.uint64(0x100000001B3)
+
+
+@dataclass
+class FilterConfig:
+    """Thresholds of the quality filters (defaults: Gopher and C4, see the module docstring)."""
+
+    min_words: int = 50
+    max_words: int = 100_000
+    min_chars_cjk: int = 50
+    max_chars_cjk: int = 200_000
+    min_mean_word_length: float = 3.0
+    max_mean_word_length: float = 10.0
+    max_symbol_word_ratio: float = 0.1
+    max_bullet_lines: float = 0.9
+    max_ellipsis_lines: float = 0.3
+    min_alpha_words: float = 0.8
+    min_alpha_chars_cjk: float = 0.6
+    max_dup_lines: float = 0.3
+    max_dup_line_chars: float = 0.2
+    max_dup_paragraphs: float = 0.3
+    max_dup_paragraph_chars: float = 0.2
+    max_top_ngram_chars: dict[int, float] = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
+    max_dup_ngram_chars: dict[int, float] = field(
+        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
+    )
+    c4_lines: bool = False
+    c4_min_line_words: int = 3
+    c4_min_lines: int = 3
+
+
+def is_cjk(text: str, threshold: float = 0.3) -> bool:
+    """True when at least ``threshold`` of the non-space characters are CJK or Thai (no spaces between words)."""
+    sample = text[:20_000]
+    nonspace = len(sample) - sum(map(len, _SPACE.findall(sample)))
+    return nonspace > 0 and len(_CJK.findall(sample)) >= threshold * nonspace
+
+
+def _dup_fraction(parts: list[str]) -> tuple[float, float]:
+    """(fraction of parts, fraction of characters) that repeat an earlier part."""
+    if not parts:
+        return 0.0, 0.0
+    seen: set[str] = set()
+    dup_n = dup_chars = total_chars = 0
+    for p in parts:
+        total_chars += len(p)
+        if p in seen:
+            dup_n += 1
+            dup_chars += len(p)
+        else:
+            seen.add(p)
+    return dup_n / len(parts), dup_chars / max(total_chars, 1)
+
+
+def _ngram_hashes(ids: np.ndarray, n: int) -> np.ndarray:
+    """[W - n + 1] uint64 rolling hashes of the n-grams of unit hashes ``ids`` [W]."""
+    m = len(ids) - n + 1
+    h = ids[:m].copy()
+    for k in range(1, n):
+        h = h * _POLY + ids[k : k + m]
+    return h
+
+
+def repetition_reason(units: list[str], cfg: FilterConfig) -> str | None:
+    """The Gopher n-gram rules over ``units`` (words, or characters for CJK); the first that fails, or None."""
+    if len(units) < 2:
+        return None
+    ids = np.fromiter(map(hash, units), dtype=np.int64, count=len(units)).view(np.uint64)  # [W]
+    lengths = np.fromiter(map(len, units), dtype=np.int64, count=len(units))  # [W]
+    total = float(lengths.sum())
+    for n, limit in sorted(cfg.max_top_ngram_chars.items()):
+        if len(units) < n:
+            continue
+        _, first, counts = np.unique(_ngram_hashes(ids, n), return_index=True, return_counts=True)
+        top = int(np.argmax(counts))
+        if counts[top] > 1:
+            chars = float(lengths[first[top] : first[top] + n].sum()) * int(counts[top])
+            if chars / total > limit:
+                return f"top_ngram_{n}"
+    for n, limit in sorted(cfg.max_dup_ngram_chars.items()):
+        if len(units) < n:
+            continue
+        h = _ngram_hashes(ids, n)
+        _, inverse, counts = np.unique(h, return_inverse=True, return_counts=True)
+        dup_start = (counts[inverse] > 1).astype(np.int64)  # [W - n + 1]
+        covered = np.convolve(dup_start, np.ones(n, dtype=np.int64))[: len(units)] > 0  # [W]
+        if float(lengths[covered].sum()) / total > limit:
+            return f"dup_ngram_{n}"
+    return None
+
+
+def c4_filter_lines(text: str, cfg: FilterConfig, cjk: bool) -> tuple[str, str | None]:
+    """C4's line rules: the kept lines joined, or a reject reason for the whole page."""
+    if "lorem ipsum" in text.lower():
+        return text, "c4_lorem_ipsum"
+    kept = []
+    for line in text.split("\n"):
+        s = line.strip()
+        size = len(_SPACE.sub("", s)) if cjk else len(s.split())
+        if s.endswith(_TERMINAL) and size >= cfg.c4_min_line_words and not _C4_BAD_LINE.search(s):
+            kept.append(s)
+    if len(kept) < cfg.c4_min_lines:
+        return text, "c4_too_few_lines"
+    return "\n".join(kept), None
+
+
+def quality_check(text: str, cfg: FilterConfig) -> tuple[str, str | None]:
+    """``(text, None)`` if ``text`` passes every rule, else ``(text, reason)``; C4 mode may shorten the text."""
+    cjk = is_cjk(text)
+    if cfg.c4_lines:
+        text, reason = c4_filter_lines(text, cfg, cjk)
+        if reason:
+            return text, reason
+    if cjk:
+        units = list(_SPACE.sub("", text))
+        if not cfg.min_chars_cjk <= len(units) <= cfg.max_chars_cjk:
+            return text, "too_short" if len(units) < cfg.min_chars_cjk else "too_long"
+        if sum(c.isalpha() for c in units) < cfg.min_alpha_chars_cjk * len(units):
+            return text, "alpha_ratio"
+    else:
+        units = text.split()
+        if not cfg.min_words <= len(units) <= cfg.max_words:
+            return text, "too_short" if len(units) < cfg.min_words else "too_long"
+        mean = (len(text) - sum(map(len, _SPACE.findall(text)))) / len(units)
+        if not cfg.min_mean_word_length <= mean <= cfg.max_mean_word_length:
+            return text, "mean_word_length"
+        if len(_ALPHA_WORD.findall(text)) < cfg.min_alpha_words * len(units):
+            return text, "alpha_ratio"
+    symbols = text.count("#") + text.count("...") + text.count("…")
+    if symbols > cfg.max_symbol_word_ratio * len(units):
+        return text, "symbol_ratio"
+    lines = [s for s in (line.strip() for line in text.split("\n")) if s]
+    if lines:
+        if sum(s.startswith(_BULLETS) for s in lines) > cfg.max_bullet_lines * len(lines):
+            return text, "bullet_lines"
+        if sum(s.endswith(("...", "…")) for s in lines) > cfg.max_ellipsis_lines * len(lines):
+            return text, "ellipsis_lines"
+    frac, chars = _dup_fraction(lines)
+    if frac > cfg.max_dup_lines or chars > cfg.max_dup_line_chars:
+        return text, "dup_lines"
+    paragraphs = [p.strip() for p in _PARAGRAPHS.split(text) if p.strip()]
+    frac, chars = _dup_fraction(paragraphs)
+    if frac > cfg.max_dup_paragraphs or chars > cfg.max_dup_paragraph_chars:
+        return text, "dup_paragraphs"
+    return text, repetition_reason(units, cfg)
+
+
+def reason_counts(reasons: list[str | None]) -> dict[str, int]:
+    """``{reason: count}`` of the rejected documents in ``reasons``."""
+    return dict(Counter(r for r in reasons if r))

@@ -1,0 +1,152 @@
+"""``llmtrain merge``: join the partitions written by ``prepare --partition I/N`` into one dataset.
+
+    llmtrain merge --output PREFIX [--num-shards N] [--pack concat|bestfit] [--seq-length T] [--keep-partitions]
+
+Two-phase deduplication across partitions:
+
+1. each ``prepare --partition I/N`` run (one node of a Slurm array, say) cleans, filters, deduplicates *within*
+   its partition and records, for every kept document, its exact digest, LSH band keys and MinHash signature
+   (``part-*.dedup.npz`` in ``PREFIX.partitions/I-of-N/``);
+2. ``merge`` replays those signatures through one :class:`~llmtrain.data.dedup.DedupIndex`, partition 0 first,
+   and drops every document that duplicates (exactly, or near: a shared band and estimated Jaccard >= the
+   threshold) a document kept earlier in the order. Only signatures are compared; no text is re-read.
+
+The result satisfies the same guarantee as a single-process run (no two kept documents are duplicates by the
+index's rule); which copy of a duplicate pair survives follows the partition order instead of the input order.
+Packing and sharding happen here, once, over the merged stream. All partitions must be finished (``done.json``)
+and share one tokenizer and one prepare configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from llmtrain.data.dedup import DedupIndex
+from llmtrain.data.indexed import optimal_dtype
+from llmtrain.data.pipeline import options_from
+from llmtrain.data.shards import iter_part_documents, write_dataset
+from llmtrain.errors import DataError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the ``merge`` subcommand."""
+    parser.add_argument("--output", required=True, metavar="PREFIX", help="the --output given to prepare")
+    parser.add_argument("--num-shards", type=int, help="shards to write (default: prepare's)")
+    parser.add_argument("--pack", choices=["concat", "bestfit"], help="packing (default: prepare's)")
+    parser.add_argument("--seq-length", type=int, help="sample length for packing (default: prepare's)")
+    parser.add_argument("--keep-partitions", action="store_true", help="keep PREFIX.partitions/ afterwards")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``merge`` from parsed flags; returns the exit code."""
+    merge(args.output, args.num_shards, args.pack, args.seq_length, keep_partitions=args.keep_partitions)
+    return 0
+
+
+def find_partitions(output: str) -> list[Path]:
+    """The partition folders of ``output`` in order; DataError if any is missing or unfinished."""
+    root = Path(f"{output}.partitions")
+    dirs = sorted(root.glob("*-of-*")) if root.is_dir() else []
+    if not dirs:
+        raise DataError(
+            f"No partitions found under '{root}'. Run `llmtrain prepare --output {output} --partition I/N ...` "
+            f"for every I in 0..N-1 first."
+        )
+    n = int(dirs[0].name.split("-of-")[1])
+    if {d.name for d in dirs} != {f"{i}-of-{n}" for i in range(n)}:
+        raise DataError(
+            f"'{root}' holds partitions {sorted(d.name for d in dirs)}, expected exactly 0-of-{n} .. {n - 1}-of-{n}; "
+            f"remove stale ones or run the missing ones."
+        )
+    ordered = [root / f"{i}-of-{n}" for i in range(n)]
+    unfinished = [d.name for d in ordered if not (d / "done.json").is_file()]
+    if unfinished:
+        raise DataError(
+            f"Partitions {unfinished} of '{output}' are not finished (no done.json); rerun them with the same "
+            f"arguments (finished input files are skipped), then merge."
+        )
+    return ordered
+
+
+def merge(
+    output: str,
+    num_shards: int | None = None,
+    pack: str | None = None,
+    seq_length: int | None = None,
+    keep_partitions: bool = False,
+    log=print,
+) -> dict:
+    """Join the finished partitions of ``output``; returns the manifest written."""
+    dirs = find_partitions(output)
+    done = [json.loads((d / "done.json").read_text(encoding="utf-8")) for d in dirs]
+    first = done[0]
+    for d, summary in zip(dirs, done):
+        if summary["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
+            raise DataError(
+                f"Partition '{d}' was tokenized with another tokenizer than '{dirs[0]}' (sha256 "
+                f"{summary['tokenizer']['sha256'][:12]} vs {first['tokenizer']['sha256'][:12]}); rerun it."
+            )
+        if summary["prepare"]["options"] != first["prepare"]["options"]:
+            raise DataError(f"Partition '{d}' was prepared with other options than '{dirs[0]}'; rerun it.")
+    opts = options_from(_options(first["prepare"]["options"]))
+    index = None
+    if opts.dedup != "none":
+        index = DedupIndex(dataclasses.replace(opts.minhash, near=opts.dedup == "near"))
+    counters: dict = {}
+
+    def documents():
+        for d, summary in zip(dirs, done):
+            yield from iter_part_documents(d, summary["parts"], index, counters)
+
+    report = _merged_report([s["report"] for s in done], counters)
+    tok = first["tokenizer"]
+    manifest = write_dataset(
+        output,
+        documents(),
+        optimal_dtype(tok["vocab_size"]),
+        pack or opts.pack,
+        seq_length or opts.seq_length,
+        num_shards or opts.num_shards,
+        tok,
+        dirs[0] / first["tokenizer_copy"],
+        {
+            "inputs": sorted({i for s in done for i in s["inputs"]}),
+            "prepare": first["prepare"],
+            "report": report,
+        },
+    )
+    manifest["report"]["cross_partition"] = counters
+    if not keep_partitions:
+        shutil.rmtree(Path(f"{output}.partitions"), ignore_errors=True)
+    if log:
+        log(
+            f"merge: {len(dirs)} partitions -> {manifest['documents']:,} documents, {manifest['tokens']:,} tokens, "
+            f"{sum(counters.values()):,} cross-partition duplicates removed -> {output}"
+        )
+    return manifest
+
+
+def _options(identity: dict) -> dict:
+    return {k: v for k, v in identity.items()}
+
+
+def _merged_report(reports: list[dict], cross: dict) -> dict:
+    """Sum the partitions' stage counts; the cross-partition duplicates are a removal of the dedup stage."""
+    stages: dict = {}
+    for r in reports:
+        for name, row in r["stages"].items():
+            acc = stages.setdefault(name, {"in": 0, "out": 0, "removed": {}})
+            acc["in"] += row["in"]
+            acc["out"] += row["out"]
+            for k, v in row["removed"].items():
+                acc["removed"][k] = acc["removed"].get(k, 0) + v
+    report = {"stages": stages, "partitions": len(reports), "cross_partition": cross}
+    report["errors_skipped"] = {}
+    for r in reports:
+        for k, v in r.get("errors_skipped", {}).items():
+            report["errors_skipped"][k] = report["errors_skipped"].get(k, 0) + v
+    return report

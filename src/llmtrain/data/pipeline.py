@@ -1,0 +1,197 @@
+"""The per-document stages of ``prepare`` that run in worker processes: clean -> filter -> hash -> tokenize.
+
+:class:`PrepareOptions` is the ``data.prepare`` config section (every stage switchable; the defaults keep the
+foundation's behaviour: no cleaning, no filters, no dedup, ``concat`` packing, one shard). :func:`process_chunk`
+applies the pure stages to a chunk of documents and returns compact numpy arrays (cheap to pickle back from a
+worker): for each document a status (kept, or the filter's reject reason), its token ids, its exact digest and
+its MinHash band keys and signature. The stateful stages, deduplication decisions, packing and writing, run in
+the main process in input order (see ``prepare``), so the output never depends on the worker count.
+
+Duplicates are tokenized before the main process drops them: deciding first would need a second round trip
+per chunk; the cost is the duplicate fraction of the tokenizer time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from llmtrain.data.clean import NORMALIZATION_FORMS, clean_text
+from llmtrain.data.dedup import DedupConfig, MinHasher, exact_digest
+from llmtrain.data.filters import FilterConfig, quality_check
+from llmtrain.data.pack import PACK_MODES
+from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
+from llmtrain.errors import ConfigError
+
+DEDUP_MODES = ("none", "exact", "near")
+ON_ERROR = ("raise", "skip")
+KEPT = ""  # status of a document that passed the filters
+
+
+@dataclass
+class PrepareOptions:
+    """The ``data.prepare`` section: which stages ``llmtrain prepare`` runs and how."""
+
+    text_key: str = "text"
+    """JSON field (or parquet column) holding the document text."""
+    clean: bool = False
+    """Unicode normalization, control characters and trailing whitespace (see data/clean.py)."""
+    normalization: str = "NFC"
+    """Unicode normal form of the cleaning stage: NFC, NFKC, NFD, NFKD or none."""
+    mojibake: bool = False
+    """Repair UTF-8 text that was decoded as cp1252/latin-1 (part of the cleaning stage)."""
+    filter: bool = False
+    """Apply the Gopher quality and repetition filters (thresholds in `filters`)."""
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    """Thresholds of the quality filters; defaults from Gopher and C4 (see data/filters.py)."""
+    dedup: str = "none"
+    """none, exact (hash of the cleaned text) or near (exact + MinHash/LSH near-duplicates)."""
+    minhash: DedupConfig = field(default_factory=DedupConfig)
+    """MinHash n-gram size, LSH bands and rows, verification threshold (see data/dedup.py)."""
+    pack: str = "concat"
+    """concat (Megatron: concatenate and cut windows) or bestfit (best-fit-decreasing bins, fewer truncations)."""
+    seq_length: int = 2048
+    """Sample length the packing is planned for (bestfit bins hold seq_length + 1 tokens); the loader checks it."""
+    num_shards: int = 1
+    """Number of .bin/.idx shards (1: PREFIX.bin/.idx; N: PREFIX_00000.bin ... listed in PREFIX.manifest.json)."""
+    on_error: str = "raise"
+    """raise: a malformed input line is an error naming file and line; skip: skip and count it in the report."""
+    rejects: str | None = None
+    """Write rejected documents (filters and duplicates) with their reason to this jsonl file."""
+
+    def validate(self) -> None:
+        """ConfigError naming the first invalid option."""
+        checks = [
+            ("normalization", self.normalization, NORMALIZATION_FORMS),
+            ("dedup", self.dedup, DEDUP_MODES),
+            ("pack", self.pack, PACK_MODES),
+            ("on_error", self.on_error, ON_ERROR),
+        ]
+        for name, value, allowed in checks:
+            if value not in allowed:
+                raise ConfigError(
+                    f"data.prepare.{name} = {value!r} is not valid; use one of {list(allowed)}."
+                )
+        for name in ("seq_length", "num_shards"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"data.prepare.{name} = {getattr(self, name)} must be at least 1.")
+        m = self.minhash
+        if m.bands < 1 or m.rows < 1 or m.ngram < 1 or not 0 < m.threshold <= 1:
+            raise ConfigError(
+                f"data.prepare.minhash = {dataclasses.asdict(m)}: bands, rows and ngram must be positive and "
+                f"threshold in (0, 1]."
+            )
+
+    def identity(self) -> dict:
+        """Everything that changes the output (for resume checks and the manifest)."""
+        d = dataclasses.asdict(self)
+        d["filters"]["max_top_ngram_chars"] = {
+            str(k): v for k, v in d["filters"]["max_top_ngram_chars"].items()
+        }
+        d["filters"]["max_dup_ngram_chars"] = {
+            str(k): v for k, v in d["filters"]["max_dup_ngram_chars"].items()
+        }
+        return d
+
+
+def options_from(section: Any) -> PrepareOptions:
+    """PrepareOptions from a ``data.prepare`` dict / object (unknown keys are a ConfigError)."""
+    if section is None:
+        return PrepareOptions()
+    if isinstance(section, PrepareOptions):
+        return section
+    raw = dict(section) if isinstance(section, dict) else dataclasses.asdict(section)
+    known = {f.name for f in dataclasses.fields(PrepareOptions)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"data.prepare has unknown keys {unknown}; valid keys: {sorted(known)}.")
+    if isinstance(raw.get("filters"), dict):
+        raw["filters"] = _sub(FilterConfig, raw["filters"], "filters")
+    if isinstance(raw.get("minhash"), dict):
+        raw["minhash"] = _sub(DedupConfig, raw["minhash"], "minhash")
+    opts = PrepareOptions(**raw)
+    opts.validate()
+    return opts
+
+
+def _sub(cls: type, raw: dict, name: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    if set(raw) - known:
+        raise ConfigError(
+            f"data.prepare.{name} has unknown keys {sorted(set(raw) - known)}; valid: {sorted(known)}."
+        )
+    for key in ("max_top_ngram_chars", "max_dup_ngram_chars"):
+        if key in raw:
+            raw[key] = {int(k): float(v) for k, v in raw[key].items()}
+    return cls(**raw)
+
+
+@dataclass
+class ChunkResult:
+    """What a worker returns for a chunk of N documents (arrays, to pickle cheaply)."""
+
+    status: list[str]  # [N] KEPT or the filter's reject reason
+    lengths: np.ndarray  # [N] int64 tokens of each kept document (0 for rejected), EOS not included
+    tokens: np.ndarray  # [sum(lengths)] int32/int64 token ids, back to back
+    digests: np.ndarray | None  # [N] uint64 exact digests (None without dedup)
+    bands: np.ndarray | None  # [N, B] uint64 LSH band keys (None without near dedup)
+    sigs: np.ndarray | None  # [N, P] uint16 signatures
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str, eos_token: str | None) -> Tokenizer:
+    return load_tokenizer(path, eos_token)
+
+
+@functools.lru_cache(maxsize=2)
+def _minhasher(cfg: DedupConfig) -> MinHasher:
+    return MinHasher(cfg)
+
+
+def process_chunk(
+    texts: list[str], opts: PrepareOptions, tok_path: str, eos_token: str | None, tok: Tokenizer | None = None
+) -> ChunkResult:
+    """Clean, filter, hash and tokenize one chunk of documents (in a worker, or in-process with ``tok``)."""
+    tok = tok or _tokenizer(tok_path, eos_token)
+    status = [KEPT] * len(texts)
+    kept_texts: list[str] = []
+    for i, text in enumerate(texts):
+        if opts.clean:
+            text = clean_text(text, opts.normalization, opts.mojibake)
+        if not text:
+            status[i] = "empty"
+            continue
+        if opts.filter:
+            text, reason = quality_check(text, opts.filters)
+            if reason:
+                status[i] = reason
+                continue
+        kept_texts.append(text)
+    digests = bands = sigs = None
+    if opts.dedup != "none":
+        digests = np.zeros(len(texts), dtype=np.uint64)
+        if opts.dedup == "near":
+            mh = _minhasher(opts.minhash)
+            bands = np.zeros((len(texts), opts.minhash.bands), dtype=np.uint64)
+            sigs = np.zeros((len(texts), mh.num_perm), dtype=np.uint16)
+    ids = tok.encode_batch(kept_texts) if kept_texts else []
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    k = 0
+    for i in range(len(texts)):
+        if status[i] != KEPT:
+            continue
+        lengths[i] = len(ids[k])
+        if digests is not None:
+            digests[i] = exact_digest(kept_texts[k])
+        if bands is not None:
+            bands[i], sigs[i] = mh.signature(kept_texts[k])
+        k += 1
+    total = int(lengths.sum())
+    dtype = np.int32 if tok.vocab_size < 2**31 else np.int64
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=total)
+    return ChunkResult(status, lengths, flat, digests, bands, sigs)

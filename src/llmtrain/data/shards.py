@@ -1,0 +1,276 @@
+"""On-disk outputs of ``prepare``: resumable intermediate parts, and the final shards + manifest + report.
+
+Parts. ``prepare`` works through its input files one at a time; each file becomes a *part* in a work folder
+(``.PREFIX.work/`` next to the output, or ``PREFIX.partitions/I-of-N/`` for ``--partition``)::
+
+    part-00003.bin / .idx     the kept documents of input file 3, tokenized, one sequence each, EOS appended
+    part-00003.dedup.npz      their exact digests, LSH band keys and 16-bit MinHash signatures
+    part-00003.rejects.jsonl  rejected documents and reasons (when rejects are requested)
+    part-00003.json           counters of the part; written last, its presence marks the part finished
+
+A part is written under temporary names and renamed when complete, so a killed run leaves only finished parts
+and a rerun with the same arguments (``state.json`` holds their digest) skips them. Parts always hold unpacked
+documents: packing and sharding happen once, at the end (or in ``merge``), over the whole ordered stream.
+
+Final dataset. :func:`write_dataset` packs the document stream (``pack``), deals the packed groups
+round-robin to ``num_shards`` Megatron writers (``PREFIX.bin/.idx`` for one shard, ``PREFIX_00000.bin/.idx``...
+for several), then writes ``PREFIX.manifest.json`` (per-shard sizes and sha256, tokenizer identity, packing,
+the full prepare config, the report) and ``PREFIX.report.txt``, all under temporary names, renamed into place
+with the manifest last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from llmtrain import __version__
+from llmtrain.data.dedup import DedupIndex
+from llmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
+from llmtrain.data.manifest import FORMAT, VERSION, manifest_path, read_manifest, write_json_atomic
+from llmtrain.data.pack import make_packer
+from llmtrain.data.tokenizer import sha256_file
+
+
+def part_prefix(workdir: Path, k: int) -> Path:
+    return workdir / f"part-{k:05d}"
+
+
+def part_done(workdir: Path, k: int) -> dict | None:
+    """Counters of finished part ``k``, or None."""
+    p = Path(f"{part_prefix(workdir, k)}.json")
+    return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+
+
+class PartWriter:
+    """Writes one part atomically: documents stream to temporary files, :meth:`commit` renames them."""
+
+    def __init__(self, workdir: Path, k: int, dtype: np.dtype, with_rejects: bool):
+        self.final = part_prefix(workdir, k)
+        self.tmp = workdir / f".tmp-{k:05d}-{os.getpid()}"
+        self.writer = IndexedDatasetWriter(str(self.tmp), dtype)
+        self.digests: list[int] = []
+        self.bands: list[np.ndarray] = []
+        self.sigs: list[np.ndarray] = []
+        self.rejects = open(f"{self.tmp}.rejects.jsonl", "w", encoding="utf-8") if with_rejects else None  # noqa: SIM115
+
+    def add(self, tokens: np.ndarray, digest, bands, sig) -> None:
+        self.writer.add_document(tokens)
+        if digest is not None:
+            self.digests.append(int(digest))
+        if bands is not None:
+            self.bands.append(bands)
+            self.sigs.append(sig)
+
+    def reject(self, text: str, reason: str, path: Path, line: int) -> None:
+        if self.rejects is not None:
+            row = {"reason": reason, "file": str(path), "line": line, "text": text}
+            self.rejects.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def commit(self, counters: dict) -> None:
+        self.writer.finalize()
+        if self.rejects is not None:
+            self.rejects.close()
+        arrays = {"digests": np.asarray(self.digests, dtype=np.uint64)}
+        if self.bands:
+            arrays["bands"], arrays["sigs"] = np.stack(self.bands), np.stack(self.sigs)
+        with open(f"{self.tmp}.dedup.npz", "wb") as f:
+            np.savez(f, **arrays)
+        for suffix in (".bin", ".idx", ".dedup.npz") + ((".rejects.jsonl",) if self.rejects else ()):
+            os.replace(f"{self.tmp}{suffix}", f"{self.final}{suffix}")
+        write_json_atomic(Path(f"{self.final}.json"), counters)
+
+    def abort(self) -> None:
+        self.writer.close()
+        if self.rejects is not None:
+            self.rejects.close()
+        for p in self.tmp.parent.glob(f"{self.tmp.name}*"):
+            p.unlink(missing_ok=True)
+
+
+def load_part_index(workdir: Path, k: int, index: DedupIndex) -> None:
+    """Add the kept documents of finished part ``k`` to ``index`` (a resumed run rebuilds its state)."""
+    if not Path(f"{part_prefix(workdir, k)}.dedup.npz").is_file():
+        return
+    with np.load(f"{part_prefix(workdir, k)}.dedup.npz") as z:
+        digests = z["digests"]
+        bands, sigs = (z["bands"], z["sigs"]) if "bands" in z else (None, None)
+    for i in range(max(len(digests), 0 if bands is None else len(bands))):
+        index.add(
+            int(digests[i]) if len(digests) else None,
+            None if bands is None else bands[i],
+            None if sigs is None else sigs[i],
+        )
+
+
+def iter_part_documents(
+    workdir: Path, parts: int, index: DedupIndex | None = None, counters: dict | None = None
+) -> Iterator[np.ndarray]:
+    """Documents of parts ``0..parts-1`` in order; with ``index``, cross-part duplicates are dropped (merge)."""
+    for k in range(parts):
+        if not bin_path(part_prefix(workdir, k)).is_file():
+            continue  # an empty part (--max-documents reached before this file)
+        ds = IndexedDataset(str(part_prefix(workdir, k)))
+        if index is None:
+            for i in range(len(ds)):
+                yield ds[i]
+            continue
+        with np.load(f"{part_prefix(workdir, k)}.dedup.npz") as z:
+            digests = z["digests"]
+            bands, sigs = (z["bands"], z["sigs"]) if "bands" in z else (None, None)
+        for i in range(len(ds)):
+            reason = index.check(
+                int(digests[i]) if len(digests) else None,
+                None if bands is None else bands[i],
+                None if sigs is None else sigs[i],
+            )
+            if reason and counters is not None:
+                counters[f"cross_partition_{reason}"] = counters.get(f"cross_partition_{reason}", 0) + 1
+            if not reason:
+                yield ds[i]
+
+
+def shard_prefixes(output: str, num_shards: int) -> list[str]:
+    """``[PREFIX]`` for one shard, else ``[PREFIX_00000, PREFIX_00001, ...]``."""
+    return [output] if num_shards == 1 else [f"{output}_{i:05d}" for i in range(num_shards)]
+
+
+def _tmp(prefix: str) -> str:
+    p = Path(prefix)
+    return str(p.parent / f".{p.name}.tmp-{os.getpid()}")
+
+
+def write_dataset(
+    output: str,
+    documents: Iterator[np.ndarray],
+    dtype: np.dtype,
+    pack: str,
+    seq_length: int,
+    num_shards: int,
+    tokenizer_entry: dict,
+    tokenizer_file: Path,
+    extra: dict,
+) -> dict:
+    """Pack ``documents``, write the shards, manifest and report of ``output``; returns the manifest."""
+    finals = shard_prefixes(output, num_shards)
+    tmps = [_tmp(p) for p in finals]
+    writers = [IndexedDatasetWriter(t, dtype) for t in tmps]
+    tmp_manifest, tmp_report = manifest_path(_tmp(output)), Path(f"{_tmp(output)}.report.txt")
+    tmp_tok = Path(f"{_tmp(output)}.tokenizer{Path(tokenizer_file).suffix}")
+    try:
+        shutil.copyfile(tokenizer_file, tmp_tok)
+        packer = make_packer(pack, seq_length)
+        n = 0
+        for doc in documents:
+            for group in packer.add(doc):
+                _write_group(writers[n % num_shards], group, pack)
+                n += 1
+        for group in packer.flush():
+            _write_group(writers[n % num_shards], group, pack)
+            n += 1
+        for w in writers:
+            w.finalize()
+        shards = [_shard_entry(final, tmp, w) for final, tmp, w in zip(finals, tmps, writers)]
+        report = {**extra.get("report", {}), "pack": packer.stats.as_dict(packer.capacity)}
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "tokenizer": tokenizer_entry,
+            "dtype": np.dtype(dtype).name,
+            "documents": sum(s["documents"] for s in shards),
+            "tokens": sum(s["tokens"] for s in shards),
+            "files": shards[0]["files"] if num_shards == 1 else {},
+            "shards": shards,
+            "packing": {"mode": pack, "seq_length": seq_length},
+            "inputs": extra.get("inputs", []),
+            "prepare": extra.get("prepare", {}),
+            "report": report,
+            "created_by": f"llmtrain {__version__}",
+        }
+        tmp_report.write_text(format_report(output, manifest), encoding="utf-8")
+        write_json_atomic(tmp_manifest, manifest)
+        _publish(output, finals, tmps, tmp_tok, tokenizer_entry["file"], tmp_report, tmp_manifest)
+        return manifest
+    finally:
+        for w in writers:
+            w.close()
+        for t in tmps:
+            bin_path(t).unlink(missing_ok=True)
+            idx_path(t).unlink(missing_ok=True)
+        for p in (tmp_manifest, tmp_report, tmp_tok):
+            p.unlink(missing_ok=True)
+
+
+def _write_group(writer: IndexedDatasetWriter, group: list[np.ndarray], pack: str) -> None:
+    if pack == "concat" or len(group) == 1:
+        writer.add_document(group[0] if len(group) == 1 else np.concatenate(group))
+    else:
+        writer.add_document(np.concatenate(group), [len(s) for s in group])
+
+
+def _shard_entry(final: str, tmp: str, w: IndexedDatasetWriter) -> dict:
+    def entry(path: Path, name: Path) -> dict:
+        return {"name": name.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+    return {
+        "name": Path(final).name,
+        "documents": w.num_documents,
+        "sequences": w.num_sequences,
+        "tokens": w.num_tokens,
+        "files": {"bin": entry(bin_path(tmp), bin_path(final)), "idx": entry(idx_path(tmp), idx_path(final))},
+    }
+
+
+def _publish(
+    output, finals, tmps, tmp_tok: Path, tok_name: str, tmp_report: Path, tmp_manifest: Path
+) -> None:
+    """Rename into place: the old manifest (and shards it lists) go first, the new manifest comes last."""
+    out = Path(output)
+    old = manifest_path(output)
+    stale: list[Path] = []
+    if old.is_file():
+        try:
+            for s in read_manifest(output).get("shards", []):
+                stale += [out.parent / s["files"]["bin"]["name"], out.parent / s["files"]["idx"]["name"]]
+        except Exception:  # an unreadable old manifest is simply replaced
+            pass
+    old.unlink(missing_ok=True)
+    for p in stale:
+        p.unlink(missing_ok=True)
+    for suffix in (".tokenizer.json", ".tokenizer.model"):
+        Path(f"{output}{suffix}").unlink(missing_ok=True)
+    for final, tmp in zip(finals, tmps):
+        os.replace(bin_path(tmp), bin_path(final))
+        os.replace(idx_path(tmp), idx_path(final))
+    os.replace(tmp_tok, out.parent / tok_name)
+    os.replace(tmp_report, Path(f"{output}.report.txt"))
+    os.replace(tmp_manifest, manifest_path(output))
+
+
+def format_report(output: str, manifest: dict) -> str:
+    """The human-readable report: documents in/out per stage, duplicates, tokens, truncation, padding."""
+    r = manifest["report"]
+    lines = [f"llmtrain prepare report: {output}", ""]
+    stages = r.get("stages", {})
+    for name, row in stages.items():
+        detail = ", ".join(f"{k} {v:,}" for k, v in sorted(row.get("removed", {}).items()))
+        lines.append(
+            f"  {name:<10} in {row['in']:>12,}  out {row['out']:>12,}" + (f"  ({detail})" if detail else "")
+        )
+    p = r["pack"]
+    lines += [
+        "",
+        f"  tokens {manifest['tokens']:,} in {len(manifest['shards'])} shard(s), dtype {manifest['dtype']}",
+        f"  packing {manifest['packing']['mode']} (seq_length {manifest['packing']['seq_length']}): "
+        f"{p['samples']:,} samples, truncated documents {p['truncated_documents']:,} "
+        f"({100 * p['truncation_rate']:.2f}%), padding {p['padding_tokens']:,} tokens "
+        f"({100 * p['padding_rate']:.2f}%)",
+    ]
+    if r.get("errors_skipped"):
+        lines.append(f"  input errors skipped: {r['errors_skipped']}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,165 @@
+"""The prepare pipeline: bad input (raise / skip), shards read back independently, resume, tokenizer mismatch,
+partitions + merge with cross-partition dedup, multi-shard bestfit output."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llmtrain.data.prepare as prep
+from llmtrain.data.manifest import read_manifest
+from llmtrain.data.merge import merge
+from llmtrain.data.prepare import prepare
+from llmtrain.data.tokenizer import load_tokenizer, train_bpe
+from llmtrain.errors import DataError
+
+TEXTS = [f"Document number {i} talks about {w} and {w}s near the river." for i, w in
+         enumerate(["whales", "boats", "stones", "trees", "birds", "clouds"] * 4)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tok_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tok") / "bpe.json"
+    train_bpe(iter(TEXTS * 2), 400, str(path))
+    return str(path)
+
+
+def jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def read_megatron(prefix: str) -> list[list[int]]:
+    """An independent reader of MMIDIDX .idx/.bin (struct + raw bytes, no llmtrain code)."""
+    idx = Path(f"{prefix}.idx").read_bytes()
+    assert idx[:9] == b"MMIDIDX\x00\x00"
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", idx[9:34])
+    dtype = {4: np.int32, 8: np.uint16}[code]
+    sizes = np.frombuffer(idx, np.int32, n_seq, 34)
+    pointers = np.frombuffer(idx, np.int64, n_seq, 34 + 4 * n_seq)
+    data = Path(f"{prefix}.bin").read_bytes()
+    return [np.frombuffer(data, dtype, int(n), int(p)).tolist() for n, p in zip(sizes, pointers)]
+
+
+def test_bad_input_skip_counts(tmp_path, tok_file):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "good one"}\n{"text": "\xff"}\n{broken\n{"other": 1}\n{"text": "good two"}\n')
+    whole = gzip.compress("".join(json.dumps({"text": f"doc {i} " * 40}) + "\n" for i in range(300)).encode())
+    trunc = tmp_path / "trunc.jsonl.gz"
+    trunc.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match="bad.jsonl' line 2 is not valid UTF-8"):
+        prepare([str(bad)], str(tmp_path / "o1"), tokenizer=tok_file, log=None)
+    m = prepare([str(bad), str(trunc)], str(tmp_path / "o2"), tokenizer=tok_file, log=None,
+                options={"on_error": "skip"})  # fmt: skip
+    errors = m["report"]["errors_skipped"]
+    assert errors == {"invalid_utf8": 1, "invalid_json": 1, "missing_key": 1, "truncated_file": 1}
+    assert 2 < m["documents"] < 300  # the two good lines and the lines before the damage
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_zst_without_zstandard_is_clear(tmp_path, tok_file):
+    try:
+        import zstandard  # noqa: F401
+
+        pytest.skip("zstandard is installed: the missing-package error cannot occur")
+    except ImportError:
+        pass
+    z = tmp_path / "a.jsonl.zst"
+    z.write_bytes(b"\x28\xb5\x2f\xfd")
+    with pytest.raises(DataError, match="zstandard"):
+        prepare([str(z)], str(tmp_path / "o"), tokenizer=tok_file, log=None)
+
+
+def test_shards_read_back_independently(tmp_path, tok_file):
+    f = jsonl(tmp_path / "a.jsonl", TEXTS)
+    m = prepare([str(f)], str(tmp_path / "ds"), tokenizer=tok_file, log=None,
+                options={"num_shards": 3, "seq_length": 16})  # fmt: skip
+    tok = load_tokenizer(tok_file)
+    expected = [tok.encode(t) + [tok.eos_id] for t in TEXTS]
+    shards = [read_megatron(str(tmp_path / s["name"])) for s in m["shards"]]
+    assert [s["name"] for s in m["shards"]] == ["ds_00000", "ds_00001", "ds_00002"]
+    # documents are dealt round-robin: shard i holds documents i, i+3, ...
+    assert [doc for i in range(len(TEXTS)) for doc in [shards[i % 3][i // 3]]] == expected
+    assert m["tokens"] == sum(map(len, expected)) and m["documents"] == len(TEXTS)
+
+
+def test_bestfit_output_and_report(tmp_path, tok_file):
+    f = jsonl(tmp_path / "a.jsonl", TEXTS * 3)
+    kw = dict(tokenizer=tok_file, log=None)
+    concat = prepare([str(f)], str(tmp_path / "c"), options={"seq_length": 24}, **kw)
+    best = prepare([str(f)], str(tmp_path / "b"), options={"seq_length": 24, "pack": "bestfit"}, **kw)
+    assert best["report"]["pack"]["truncated_documents"] < concat["report"]["pack"]["truncated_documents"]
+    assert best["tokens"] == concat["tokens"]
+    bins = read_megatron(str(tmp_path / "b"))
+    assert all(len(b) <= 25 for b in bins) and sum(map(len, bins)) == best["tokens"]
+    text = (tmp_path / "b.report.txt").read_text()
+    assert "truncated documents" in text and "padding" in text
+
+
+def test_dedup_and_rejects(tmp_path, tok_file):
+    docs = [" ".join(f"w{i}x{j}" for j in range(80)) + "." for i in range(5)]
+    f = jsonl(tmp_path / "a.jsonl", docs + [docs[0], docs[1] + "  ", "short one."])
+    m = prepare([str(f)], str(tmp_path / "d"), tokenizer=tok_file, log=None,
+                options={"clean": True, "filter": True, "dedup": "near", "rejects": str(tmp_path / "rej.jsonl")})  # fmt: skip
+    assert m["documents"] == 5
+    stages = m["report"]["stages"]
+    assert stages["dedup"]["removed"] == {"exact_duplicate": 2}
+    assert stages["filter"]["removed"] == {"too_short": 1}
+    rows = [json.loads(x) for x in (tmp_path / "rej.jsonl").read_text().splitlines()]
+    assert sorted(r["reason"] for r in rows) == ["exact_duplicate", "exact_duplicate", "too_short"]
+    assert {r["line"] for r in rows} == {6, 7, 8}
+
+
+def test_resume_skips_finished_parts(tmp_path, tok_file, monkeypatch):
+    files = [jsonl(tmp_path / f"in{i}.jsonl", TEXTS[i * 6 : (i + 1) * 6]) for i in range(4)]
+    inputs = [str(f) for f in files]
+    reference = prepare(inputs, str(tmp_path / "ref"), tokenizer=tok_file, log=None)
+    calls: list[int] = []
+    real = prep._run_part
+
+    def dying(k, *args):
+        calls.append(k)
+        if k == 2 and len(calls) == 3:
+            raise KeyboardInterrupt  # killed while working on the third file
+        return real(k, *args)
+
+    monkeypatch.setattr(prep, "_run_part", dying)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(inputs, str(tmp_path / "out"), tokenizer=tok_file, log=None)
+    assert not (tmp_path / "out.manifest.json").exists()  # nothing looks complete
+    m = prepare(inputs, str(tmp_path / "out"), tokenizer=tok_file, log=None)
+    assert calls == [0, 1, 2, 2, 3]  # parts 0 and 1 were not redone
+    assert m["files"]["bin"]["sha256"] == reference["files"]["bin"]["sha256"]
+    assert prepare(inputs, str(tmp_path / "out"), tokenizer=tok_file, log=None) == m  # complete: no-op
+    assert calls == [0, 1, 2, 2, 3]
+
+
+def test_tokenizer_mismatch_with_existing_output(tmp_path, tok_file):
+    f = jsonl(tmp_path / "a.jsonl", TEXTS)
+    prepare([str(f)], str(tmp_path / "ds"), tokenizer=tok_file, log=None)
+    other = tmp_path / "other.json"
+    train_bpe(iter(TEXTS), 300, str(other))
+    with pytest.raises(DataError, match="another tokenizer"):
+        prepare([str(f)], str(tmp_path / "ds"), tokenizer=str(other), log=None)
+    m = prepare([str(f)], str(tmp_path / "ds"), tokenizer=str(other), log=None, overwrite=True)
+    assert read_manifest(str(tmp_path / "ds"))["tokenizer"]["sha256"] == m["tokenizer"]["sha256"]
+
+
+def test_partitions_merge_with_cross_partition_dedup(tmp_path, tok_file):
+    docs = [" ".join(f"t{i}y{j}" for j in range(60)) for i in range(10)]
+    inputs = [str(jsonl(tmp_path / "a.jsonl", docs + docs[:4]))]  # 4 duplicates, in the other partitions
+    opts = {"dedup": "near", "num_shards": 2}
+    single = prepare(inputs, str(tmp_path / "single"), tokenizer=tok_file, log=None, options=opts)
+    for i in range(3):
+        prepare(inputs, str(tmp_path / "p"), tokenizer=tok_file, log=None, options=opts, partition=(i, 3))
+    merged = merge(str(tmp_path / "p"), log=None)
+    assert single["documents"] == merged["documents"] == 10
+    assert merged["report"]["cross_partition"] == {"cross_partition_exact_duplicate": 4}
+    assert not (tmp_path / "p.partitions").exists()
+    with pytest.raises(DataError, match="No partitions"):
+        merge(str(tmp_path / "p"), log=None)
