@@ -9,8 +9,11 @@ seeded init, optimizer, LR schedule, loss scaler, checkpointer, metrics) and res
     unscale -> global grad norm (pre-clip, logged) -> skip the step if not finite, else clip + optimizer step
 
 The loss is normalised by the number of target tokens of the whole global batch (not averaged per micro-batch),
-so gradient accumulation and data parallelism compute exactly the single-process gradient. Validation,
-checkpointing and logging are components called from the loop.
+so gradient accumulation and data parallelism compute exactly the single-process gradient. After each step
+the stability guard decides ok / skip / rollback / give up (a rollback restores the newest good state and
+skips the data window of the spike). Validation, checkpointing (sync or async, with a host copy for fast
+rollbacks), fault injection, preemption and the hang watchdog are components called from the loop; every
+decision goes to ``<run_dir>/events.jsonl``.
 """
 
 from __future__ import annotations
