@@ -99,7 +99,6 @@ class Trainer:
         self.fsdp = parallelize(self.model, cfg, dims, meshes["world"] if meshes else None, self.device_type)
         self.model.to_empty(device=self.device)
         self.model.init_weights(seed=cfg.train.seed)
-        self.step_fn = torch.compile(self.model) if cfg.train.compile and not self.fsdp else self.model
         # FSDP averages gradients over the data-parallel ranks; the loss is pre-multiplied to undo it.
         self.grad_scale = float(self.dp_size) if self.fsdp else 1.0
 
@@ -158,7 +157,7 @@ class Trainer:
         doc_ids = mb["document_ids"] if self.cfg.model.document_mask else None
         pos_ids = mb["position_ids"] if self.cfg.model.document_mask else None
         with autocast(self.cfg.train.precision, self.device_type):
-            logits = self.step_fn(mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids)
+            logits = self.model(mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids)
         return self.loss_fn(logits, mb["labels"])
 
     def train_step(self) -> dict:
