@@ -29,7 +29,7 @@ import torch.nn.functional as F
 SHAPE = {"hidden_size": 512, "num_layers": 6, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1408}
 
 
-def make_config(prefix: str, out: str, seq: int, batch: int, device: str):
+def make_config(prefix: str, out: str, seq: int, batch: int, device: str, compile_: bool = False):
     from llmtrain.config import config_from_dict
 
     return config_from_dict(
@@ -42,6 +42,7 @@ def make_config(prefix: str, out: str, seq: int, batch: int, device: str):
                 "lr": 1e-3,
                 "warmup_steps": 10,
                 "log_steps": 10**6,
+                "compile": compile_,
                 "precision": "bf16" if device == "cuda" else "fp32",
             },
             "data": {"datasets": [{"path": prefix, "weight": 1.0}], "valid_fraction": 0.01},
@@ -91,6 +92,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--compile", action="store_true", help="llmtrain with train.compile (per-block torch.compile)"
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from llmtrain.data.prepare import prepare
@@ -101,12 +105,12 @@ def main() -> None:
     files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))[:40]
     prefix = str(tmp / "corpus")
     prepare(files, prefix, train_tokenizer=8192, log=None)
-    trainer = Trainer(make_config(prefix, str(tmp / "run"), a.seq, a.batch, a.device))
+    trainer = Trainer(make_config(prefix, str(tmp / "run"), a.seq, a.batch, a.device, a.compile))
     margs = trainer.derived.model_args
     dev = trainer.device
     print(
         f"model: {margs.num_params() / 1e6:.1f}M params, seq {a.seq}, batch {a.batch}, device {dev}, "
-        f"threads {a.threads}, torch {torch.__version__}"
+        f"threads {a.threads}, torch {torch.__version__}, llmtrain train.compile {a.compile}"
     )
 
     # the same windows for the two reference loops
