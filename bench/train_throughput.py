@@ -57,19 +57,10 @@ def make_config(prefix: str, out: str, seq: int, batch: int, device: str, compil
 def hf_model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads,
-        intermediate_size=args.intermediate_size,
-        max_position_embeddings=4096,
-        rope_theta=args.rope_theta,
-        rms_norm_eps=args.rms_norm_eps,
-        tie_word_embeddings=args.tie_word_embeddings,
-        attn_implementation="sdpa",
-    )
+    from llmtrain.models.llama.hf import to_hf_config
+
+    # The same architecture (rope scaling included) through the project's own HF config adapter.
+    cfg = LlamaConfig(**to_hf_config(args), attn_implementation="sdpa")
     return LlamaForCausalLM(cfg).to(device)
 
 

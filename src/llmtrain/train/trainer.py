@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmtrain.config import derive, save_config
+from llmtrain.config import config_to_dict, derive, save_config
 from llmtrain.config.schema import Config
 from llmtrain.data.loader import BatchIterator, build_datasets
 from llmtrain.data.manifest import read_manifest
@@ -329,7 +329,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "data": self.batches.state_dict(),
             "guard": self.guard.state_dict(),
-            "config_hash": config_hash(json.loads(json.dumps(self.cfg, default=lambda o: o.__dict__))),
+            "config_hash": config_hash(config_to_dict(self.cfg)),
         }
 
     def save(self) -> None:
