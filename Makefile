@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test lint format setup setup-dev bench clean
+.PHONY: demo test lint format setup setup-dev bench clean browser
 
 $(VENV)/.torch:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,15 @@ setup-dev: $(VENV)/.installed-dev
 demo: $(VENV)/.installed
 	$(VENV)/bin/llmtrain demo
 
-test: $(VENV)/.installed-dev
+# The report's browser test needs headless Chromium (Debian's package); without it that test is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	       && echo "installing chromium (apt) for the report's browser test" \
+	       && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1; } \
+	  || echo "chromium not installed: the browser test will be skipped"
+
+test: $(VENV)/.installed-dev browser
 	$(PY) -m pytest -q tests
 
 lint: $(VENV)/.installed-dev

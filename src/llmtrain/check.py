@@ -26,6 +26,7 @@ import yaml
 from llmtrain.config import config_to_dict, load_config
 from llmtrain.config.derived import Derived
 from llmtrain.config.schema import Config
+from llmtrain.config.stages import resolve_stages, stage_table
 from llmtrain.config.validate import check_config
 from llmtrain.distributed.parallel_dims import default_world_size
 from llmtrain.errors import ConfigError
@@ -46,12 +47,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg, notes = load_config(args.config, args.overrides)
     world_size, origin = resolve_world_size(cfg, args.world_size)
+    if cfg.stages:  # the stage plan fixes the run's length (as in train)
+        cfg.train.max_steps = resolve_stages(cfg)[1][-1].end_step
     derived, warnings = check_config(cfg, world_size, require_data=False)
     print(f"# llmtrain check {args.config}: OK\n# resolved config")
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
     print("\n# derived")
     for label, value in derived_lines(cfg, derived, origin):
         print(f"{label + ':':<18} {value}")
+    if cfg.stages:
+        print("\n# stages")
+        head = ["stage", "steps", "tokens", "LR (start -> end, shape)", "mixture"]
+        rows = [head, *stage_table(cfg)]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
     for title, lines in (("notes", notes), ("warnings", warnings)):
         if lines:
             print(f"\n# {title}")
@@ -89,7 +99,11 @@ def derived_lines(cfg: Config, d: Derived, origin: str) -> list[tuple[str, str]]
     name = f"{a.family} {a.flavor}" if a.flavor else a.family
     steps = cfg.train.max_steps
     return [
-        ("parameters", f"{human(d.num_params)} ({d.num_params:,})"),
+        (
+            "parameters",
+            f"{human(d.num_params)} ({d.num_params:,})"
+            + (f"; active per token {human(d.active_params)} ({d.active_params:,})" if a.num_experts else ""),
+        ),
         (
             "model",
             f"{name}: hidden {a.hidden_size}, {a.num_layers} layers, {a.num_heads} heads ({a.num_kv_heads} KV), "

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("llmtrain.data.merge", "join the partitions written by `prepare --partition i/N`"),
     "export": ("llmtrain.export", "export a checkpoint to Hugging Face safetensors"),
     "launch": ("llmtrain.launch", "run `train` under torchrun (multi-process, multi-node, elastic)"),
+    "report": ("llmtrain.report", "write a self-contained HTML report of a run directory (live or finished)"),
 }
 
 

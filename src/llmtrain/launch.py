@@ -29,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-id", default=None, help="rendezvous id (default: derived from the config path)"
     )
+    parser.add_argument(
+        "--rdzv-conf",
+        default=None,
+        help="torchrun rendezvous settings for elastic jobs, e.g. join_timeout=60,last_call_timeout=5",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run it")
 
 
@@ -50,6 +55,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             f"--rdzv-endpoint={args.master_addr}:{args.master_port}",
             f"--rdzv-id={run_id}",
         ]
+        if getattr(args, "rdzv_conf", None):
+            cmd.append(f"--rdzv-conf={args.rdzv_conf}")
         if args.node_rank is not None:
             cmd.append(f"--node-rank={args.node_rank}")
     cmd += [
@@ -75,4 +82,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // args.nproc_per_node, 1)))
+    # Workers must not share the rendezvous TCPStore: after an elastic restart they would read the previous
+    # attempt's gloo/NCCL addresses from it ("Connection refused", pytorch/pytorch#135712).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return subprocess.call(cmd, env=env)

@@ -33,11 +33,24 @@ def main() -> None:
     torch.set_num_threads(1)
     results = {}
     for name, over in spec["variants"].items():
+        over = dict(over)
+        save_after = over.pop("save_after_steps", False)  # True: checkpoint after the steps (resume tests)
+        with_val = over.pop("validate", False)  # True: also report the validation loss after the steps
+        dump = over.pop("dump_state", None)  # PATH: rank 0 torch.saves the full (gathered) model state dict
         cfg = merge(spec["base"], over)
         cfg["run"]["output_dir"] = tempfile.mkdtemp(prefix=f"parity-{name}-")
         trainer = Trainer(config_from_dict(cfg))
         outs = [trainer.train_step() for _ in range(spec["steps"])]
         results[name] = {"loss": [o["loss"] for o in outs], "grad_norm": [o["grad_norm"] for o in outs]}
+        if save_after:
+            trainer.save()
+            trainer.checkpointer.wait()
+        if with_val:
+            results[name]["val_loss"] = trainer.validate()["val_loss"]
+        if dump:
+            state = {k: getattr(v, "full_tensor", v.detach)() for k, v in trainer.model.state_dict().items()}
+            if dist.get_rank() == 0:
+                torch.save(state, dump)
         trainer.metrics.close()
         dist.barrier()
     if dist.get_rank() == 0:

@@ -44,6 +44,9 @@ class Derived:
     model_args: TransformerArgs
     dims: ParallelDims | None = None
     """The validated parallel degrees (the mesh is built from these)."""
+    active_params: int = 0
+    """Parameters a token passes through (MoE: top_k routed experts; equals num_params for dense models).
+    flops_per_token is computed from these."""
 
 
 def derive(cfg: Config, world_size: int = 1, vocab_size: int | None = None) -> Derived:
@@ -74,6 +77,7 @@ def derive(cfg: Config, world_size: int = 1, vocab_size: int | None = None) -> D
         total_tokens=cfg.train.max_steps * tokens_per_step,
         model_args=args,
         dims=dims,
+        active_params=args.num_params(active=True),
     )
 
 

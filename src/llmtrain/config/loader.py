@@ -180,7 +180,11 @@ def _unknown_key_message(cls: type, key: str, prefix: str, valid: list[str], sou
         return f"{source}: unknown key {prefix + key!r}{hint}. Valid keys in {section!r}: {', '.join(valid)}."
     if not hint:  # a field written at the top level instead of inside its section?
         sections = typing.get_type_hints(Config)
-        owners = [f"{name}.{key}" for name, sec in sections.items() if key in typing.get_type_hints(sec)]
+        owners = [
+            f"{name}.{key}"
+            for name, sec in sections.items()
+            if dataclasses.is_dataclass(sec) and key in typing.get_type_hints(sec)
+        ]
         if owners:
             hint = f" (did you mean {owners[0]!r}? fields live inside their section)"
     return f"{source}: unknown top-level section {key!r}{hint}. Valid sections: {', '.join(valid)}."

@@ -13,6 +13,36 @@ from typing import Any
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts feed-forward (models/common/moe.py). Unset (None) fields take the flavor's value."""
+
+    num_experts: int | None = None
+    """Routed experts per MoE block; 0 = dense model (no MoE)."""
+    top_k: int | None = None
+    """Experts each token is sent to."""
+    moe_hidden_size: int | None = None
+    """Hidden width of each expert's SwiGLU (and of each shared expert)."""
+    shared_experts: int | None = None
+    """Always-on shared experts (one SwiGLU of width shared_experts x moe_hidden_size); 0 = none."""
+    router_score: str | None = None
+    """softmax (Qwen, Mixtral) or sigmoid (DeepSeek-V3) router scores."""
+    route_norm: bool | None = None
+    """Renormalise the top_k weights of each token to sum to 1."""
+    aux_loss_coef: float | None = None
+    """Coefficient of the load-balancing auxiliary loss (Switch: num_experts x sum_i f_i P_i); 0 = off."""
+    bias_update_rate: float | None = None
+    """Auxiliary-loss-free balancing (DeepSeek-V3): per-expert selection bias moved by this much per step
+    toward balance; 0 = off."""
+    capacity_factor: float | None = None
+    """Expert capacity = ceil(factor x tokens x top_k / num_experts) per micro-batch; tokens over it are
+    dropped by that expert. None = no dropping."""
+    every: int | None = None
+    """MoE in one block of every N (block i is MoE when (i + 1) % N == 0, Qwen's decoder_sparse_step)."""
+    first_dense_layers: int | None = None
+    """The first N blocks stay dense (DeepSeek's first_k_dense_replace)."""
+
+
+@dataclass
 class ModelConfig:
     """Architecture of a decoder-only transformer. Unset (None) fields take the flavor's value."""
 
@@ -65,6 +95,8 @@ class ModelConfig:
     """Standard deviation of the normal init of weight matrices."""
     init_from: str | None = None
     """Start from existing weights: hf:PATH (a Hugging Face directory) or a checkpoint path."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts: model.moe.num_experts > 0 makes the selected blocks' feed-forward an MoE."""
 
 
 @dataclass
@@ -97,6 +129,9 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedules)."""
+    pipeline_layers: list[int] | None = None
+    """Layers per pipeline stage chunk, in model order (pipeline_parallel x virtual_stages entries summing to
+    model.num_layers), e.g. [1, 3, 3, 1] for fewer layers on the first and last stage; null = even split."""
     enable_alltoall: bool = False
     """Seed key: all-to-all dispatch for expert parallel."""
     cpu_offload: bool = False
@@ -237,6 +272,20 @@ class LoggingConfig:
     """Write <run.output_dir>/loss.png at the end of the run."""
     peak_tflops: float | None = None
     """Peak dense FLOP/s of one device in TFLOP/s for MFU; None uses a built-in figure for the device."""
+    profile_every: int = 0
+    """Open a torch.profiler window every this many steps (chrome trace in <run.output_dir>/profile/; 0: off)."""
+    profile_steps: int = 0
+    """Steps in each profiler window (0: off)."""
+    straggler_margin: float = 0.2
+    """A rank is slow when its busy time per step exceeds the median of all ranks by this fraction."""
+    straggler_patience: int = 3
+    """Log steps in a row a rank must be slow before a straggler event is written."""
+    wandb: bool = False
+    """Also log metrics to Weights & Biases (needs `pip install wandb`)."""
+    wandb_project: str = "llmtrain"
+    """W&B project name."""
+    wandb_mode: str = "offline"
+    """W&B mode: online, offline (no network; `wandb sync` later) or disabled."""
 
 
 @dataclass
@@ -341,8 +390,39 @@ class FaultConfig:
     """flip (one byte changed) or truncate (half the file)."""
     rank: int = 0
     """The rank that is killed, hung or gets the NaN (-1: every rank)."""
+    slow_rank: int = -1
+    """Slow this rank down on every step by sleeping slow_seconds before it (straggler drills; -1: none)."""
+    slow_seconds: float = 0.0
+    """Sleep per step of slow_rank."""
     seed: int = 0
     """Seed of the corrupted tokens."""
+
+
+@dataclass
+class StageConfig:
+    """One entry of ``stages:``, a phase of a multi-stage run (general -> reasoning -> annealing).
+
+    Give exactly one length: ``steps``, ``tokens`` (rounded up to whole steps of this stage's batch) or
+    ``fraction`` of the run's token budget (``train.max_steps`` x the base config's tokens per step)."""
+
+    name: str = ""
+    """Stage name (unique); metrics rows and events carry it."""
+    steps: int | None = None
+    """Length in optimizer steps."""
+    tokens: int | None = None
+    """Length in tokens (steps = ceil(tokens / this stage's tokens per step))."""
+    fraction: float | None = None
+    """Length as a fraction of the run's token budget."""
+    lr_end: float | None = None
+    """LR at the stage's last step as a fraction of the peak train.lr (default: the LR the stage starts with;
+    for the last stage train.min_lr / train.lr)."""
+    lr_schedule: str | None = None
+    """Shape from the stage's start LR to lr_end: constant (lr_end throughout), linear, cosine or wsd (constant,
+    then linear over the last train.wsd_decay_fraction of the stage). Default: train.decay_style."""
+    datasets: list[DatasetSpec] = field(default_factory=list)
+    """The stage's mixture ({path, weight}); empty = data.datasets. A dataset left out is not read."""
+    overrides: dict = field(default_factory=dict)
+    """Settings changed for this stage, as {dotted.key: value}; only keys that may change mid-run."""
 
 
 @dataclass
@@ -360,3 +440,5 @@ class Config:
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    stages: list[StageConfig] = field(default_factory=list)
+    """Multi-stage curriculum (see StageConfig); empty = one stage over data.datasets."""

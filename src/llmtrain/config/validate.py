@@ -36,6 +36,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
     "model.position_embedding": (None, "rope", "alibi"),
     "recompute.mode": ("none", "selective", "full"),
+    "logging.wandb_mode": ("online", "offline", "disabled"),
 }
 _HINTS = {"run.device_target": " (in a config file Ascend, GPU and CPU are also accepted and mapped)"}
 
@@ -75,6 +76,11 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("parallel.zero_stage", _OPT(lambda v: 0 <= v <= 3), "0, 1, 2, 3 or null"),
     ("parallel.zero_level", _OPT(lambda v: 1 <= v <= 3), "1, 2, 3 or null"),
     ("logging.peak_tflops", _OPT(_POS), "a number > 0 or null"),
+    ("logging.profile_every", _NONNEG, "an integer >= 0 (0: off)"),
+    ("logging.profile_steps", _NONNEG, "an integer >= 0 (0: off)"),
+    ("logging.straggler_margin", _POS, "a number > 0 (0.2 = 20% slower than the median)"),
+    ("logging.straggler_patience", _ONE_UP, "an integer >= 1"),
+    ("fault.slow_seconds", _NONNEG, "a number >= 0"),
     ("recompute.every", _ONE_UP, "an integer >= 1"),
 ]
 
@@ -91,8 +97,29 @@ def check_config(cfg: Config, world_size: int = 1, require_data: bool = True) ->
     vocab = _check_data(cfg, require_data, warnings)
     derived = derive(cfg, world_size, vocab_size=vocab)
     _check_layout(cfg, derived)
+    if cfg.stages:
+        _check_stages(cfg, world_size, vocab, require_data)
     warnings += _advice(cfg, derived)
     return derived, warnings
+
+
+def _check_stages(cfg: Config, world_size: int, vocab: int | None, require_data: bool) -> None:
+    """Every stage resolves (lengths, overrides, LR, mixture) and its batch arithmetic fits the layout."""
+    from llmtrain.config.stages import resolve_stages
+    from llmtrain.data.manifest import manifest_path
+
+    for plan in resolve_stages(cfg)[1]:
+        try:
+            derive(plan.cfg, world_size, vocab_size=vocab)
+        except ConfigError as e:
+            raise ConfigError(f"stages[{plan.index}] ({plan.name}): {e}") from None
+        for j, spec in enumerate(cfg.stages[plan.index].datasets):
+            if require_data and not manifest_path(spec.path).is_file():
+                raise ConfigError(
+                    f"stages[{plan.index}].datasets[{j}].path = '{spec.path}': no dataset at this prefix "
+                    f"({spec.path}.manifest.json is missing). Create it with `llmtrain prepare --output "
+                    f"{spec.path} ...` or fix the path."
+                )
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -211,6 +238,15 @@ def _check_layout(cfg: Config, d: Derived) -> None:
             f"model.num_layers {args.num_layers} is fewer than the pipeline stages: pipeline_parallel {pp} x "
             f"virtual_stages {cfg.parallel.virtual_stages} = {stages}; every stage needs at least one layer."
         )
+    from llmtrain.distributed.pipeline import check_context_parallel, check_pipeline  # lazy: imports torch
+
+    check_pipeline(cfg, args.num_layers, args.tie_word_embeddings, dims.dp)
+    if cp > 1:
+        import torch
+
+        target = str(cfg.run.device_target).lower()
+        check_context_parallel(cp, "cuda" if target in ("cuda", "gpu", "npu", "ascend") or (
+            target == "auto" and torch.cuda.is_available()) else "cpu")  # fmt: skip
     if cp > 1 and cfg.model.seq_length % (2 * cp):
         raise ConfigError(
             f"model.seq_length {cfg.model.seq_length} is not divisible by 2 x parallel.context_parallel "
@@ -228,7 +264,7 @@ def _advice(cfg: Config, d: Derived) -> list[str]:
         out.append(f"ZeRO stage {stage} has no effect with a data-parallel size of 1.")
     if p.enable_alltoall and dims.ep == 1:
         out.append("parallel.enable_alltoall has no effect with expert_parallel 1 (it is for MoE dispatch).")
-    if dims.ep > 1:
+    if dims.ep > 1 and not d.model_args.num_experts:
         out.append(f"parallel.expert_parallel {dims.ep} has no effect: the model config has no MoE layers.")
     if d.model_args.vocab_size % dims.tp:
         out.append(
@@ -236,15 +272,20 @@ def _advice(cfg: Config, d: Derived) -> list[str]:
             "and output shards are uneven (slower); pad model.vocab_size to a multiple."
         )
     if dims.pp > 1:
-        if p.micro_batch_num < dims.pp:
+        from llmtrain.distributed.pipeline import pipeline_microbatches
+
+        n_mb = pipeline_microbatches(cfg, d.data_parallel)
+        if n_mb < dims.pp:
             out.append(
-                f"parallel.micro_batch_num {p.micro_batch_num} < pipeline_parallel {dims.pp}: 1F1B-style "
-                f"schedules need at least one micro-batch per stage, and fewer leave most stages idle."
+                f"{n_mb} pipeline micro-batches per step < pipeline_parallel {dims.pp}: fewer micro-batches than "
+                f"stages leave most stages idle (a large pipeline bubble); raise parallel.micro_batch_num."
             )
-        if d.grad_accum % p.micro_batch_num:
+        pipe_mb = d.global_batch // (d.data_parallel * n_mb)
+        if pipe_mb != d.micro_batch_size:
             out.append(
-                f"gradient accumulation {d.grad_accum} is not a multiple of parallel.micro_batch_num "
-                f"{p.micro_batch_num} (the micro-batches fed to the pipeline per schedule step)."
+                f"under pipeline parallel each data-parallel rank's {d.global_batch // d.data_parallel} "
+                f"sequences per step run as parallel.micro_batch_num {n_mb} pipeline micro-batches "
+                f"of {pipe_mb} sequences; train.micro_batch_size {d.micro_batch_size} only sets data loading."
             )
     elif p.micro_batch_interleave:
         out.append("parallel.micro_batch_interleave has no effect without pipeline parallelism.")

@@ -149,37 +149,15 @@ def build_datasets(cfg: Any) -> tuple[BlendedSamples, BlendedSamples]:
         where = f"data.datasets[{i}].path"
         if not weight > 0:
             raise ConfigError(f"data.datasets[{i}].weight = {weight}: blend weights must be positive.")
-        shards, manifest = _open(str(prefix), where)
-        sha = manifest["tokenizer"]["sha256"]
+        source, held_out, sha = open_source(str(prefix), where, seq_length, seed, valid_fraction)
         if tokenizer_sha is not None and sha != tokenizer_sha:
             raise DataError(
                 f"{where} = '{prefix}' was tokenized with another tokenizer than data.datasets[0] (sha256 "
                 f"{sha[:12]} vs {tokenizer_sha[:12]}); blended datasets must share one tokenizer."
             )
         tokenizer_sha = sha
-        eos_id = manifest["tokenizer"]["eos_id"]
-        packing = manifest.get("packing") or {"mode": "concat"}
-        kind = TokenWindows
-        if packing["mode"] == "bestfit":
-            kind = BinSamples
-            if int(packing["seq_length"]) != seq_length:
-                raise DataError(
-                    f"{where} = '{prefix}' was packed (bestfit) for seq_length {packing['seq_length']}, but "
-                    f"model.seq_length is {seq_length}; run prepare again with --seq-length {seq_length}."
-                )
-        train_ids, valid_ids = split_shards(shards, valid_fraction, seq_length)
-        identity = fingerprint_fields(manifest)
-        source = kind(shards, train_ids, seq_length, seed, eos_id=eos_id, identity=identity, name=str(prefix))
-        if len(source) == 0:
-            raise DataError(
-                f"{where} = '{prefix}' has {source.num_tokens} training tokens, fewer than model.seq_length + 1 "
-                f"= {seq_length + 1}: not one sample. Add data or lower model.seq_length."
-            )
         train.append(source)
         weights.append(weight)
-        held_out = kind(
-            shards, valid_ids, seq_length, seed, eos_id=eos_id, identity=identity, name=str(prefix)
-        )
         if len(held_out) > 0:
             valid.append(held_out)
             valid_weights.append(weight)
@@ -190,6 +168,34 @@ def build_datasets(cfg: Any) -> tuple[BlendedSamples, BlendedSamples]:
     for blend in (train_blend, valid_blend):
         blend.eod_mask_loss = bool(getattr(cfg.data, "eod_mask_loss", False))
     return train_blend, valid_blend
+
+
+def open_source(
+    prefix: str, where: str, seq_length: int, seed: int, valid_fraction: float
+) -> tuple[TokenWindows, TokenWindows, str]:
+    """(train samples, held-out samples, tokenizer sha256) of the dataset at ``prefix`` (``where`` names it in
+    the config); DataError when it has not one training sample of ``seq_length``."""
+    shards, manifest = _open(prefix, where)
+    packing = manifest.get("packing") or {"mode": "concat"}
+    kind = TokenWindows
+    if packing["mode"] == "bestfit":
+        kind = BinSamples
+        if int(packing["seq_length"]) != seq_length:
+            raise DataError(
+                f"{where} = '{prefix}' was packed (bestfit) for seq_length {packing['seq_length']}, but "
+                f"model.seq_length is {seq_length}; run prepare again with --seq-length {seq_length}."
+            )
+    eos_id = manifest["tokenizer"]["eos_id"]
+    train_ids, valid_ids = split_shards(shards, valid_fraction, seq_length)
+    identity = fingerprint_fields(manifest)
+    source = kind(shards, train_ids, seq_length, seed, eos_id=eos_id, identity=identity, name=prefix)
+    if len(source) == 0:
+        raise DataError(
+            f"{where} = '{prefix}' has {source.num_tokens} training tokens, fewer than model.seq_length + 1 "
+            f"= {seq_length + 1}: not one sample. Add data or lower model.seq_length."
+        )
+    held_out = kind(shards, valid_ids, seq_length, seed, eos_id=eos_id, identity=identity, name=prefix)
+    return source, held_out, manifest["tokenizer"]["sha256"]
 
 
 def _mixture(entries: Any, n: int) -> list[tuple[int, list[float]]]:

@@ -231,6 +231,7 @@ class BlendedSamples:
         seed: int,
         meta: dict | None = None,
         schedule: list[tuple[int, list[float]]] | None = None,
+        offsets: list[int] | None = None,
     ):
         segments = [(0, list(weights)), *sorted((int(s), list(w)) for s, w in (schedule or []))]
         for start, w in segments:
@@ -244,18 +245,26 @@ class BlendedSamples:
         self.weights = self.segments[0][1]
         self.seed = int(seed)
         self.meta = meta or {}
-        self.fingerprint = digest(
-            {"sources": [s.fingerprint for s in self.sources], "seed": self.seed, "meta": self.meta}
-        )
+        # offsets: samples of each source already read before this blend (an earlier stage of the run)
+        self.offsets = [int(x) for x in offsets] if offsets else [0] * len(self.sources)
+        ident = {"sources": [s.fingerprint for s in self.sources], "seed": self.seed, "meta": self.meta}
+        if offsets:
+            ident["offsets"] = self.offsets
+        self.fingerprint = digest(ident)
         self._blocks: list[tuple[np.ndarray, np.ndarray]] = []  # per block: source [B], source sample [B]
-        self._counts = [0] * len(self.sources)  # samples given to each source before the next block
+        self._counts = list(self.offsets)  # samples given to each source before the next block
         self._seg_counts = [0] * len(self.sources)  # ... within the current mixture segment
 
     def with_weights(self, start_sample: int, weights: list[float]) -> BlendedSamples:
         """A blend identical to this one before global sample ``start_sample`` and mixed by ``weights`` after it."""
         kept = [(s, w) for s, w in self.segments[1:] if s < start_sample]
         return BlendedSamples(
-            self.sources, self.segments[0][1], self.seed, self.meta, [*kept, (start_sample, weights)]
+            self.sources,
+            self.segments[0][1],
+            self.seed,
+            self.meta,
+            [*kept, (start_sample, weights)],
+            self.offsets if any(self.offsets) else None,
         )
 
     def mixture(self, upto: int | None = None) -> list[list]:
@@ -277,12 +286,27 @@ class BlendedSamples:
         if g < 0:
             raise IndexError(f"sample index must be non-negative, got {g}")
         if len(self.sources) == 1:
-            return 0, int(g)
+            return 0, int(g) + self.offsets[0]
         block, offset = divmod(int(g), BLEND_BLOCK)
         while len(self._blocks) <= block:
             self._blocks.append(self._next_block())
         source, index = self._blocks[block]
         return int(source[offset]), int(index[offset])
+
+    def source_counts(self, upto: int) -> list[int]:
+        """Samples drawn from each source by global samples ``[0, upto)``, offsets included."""
+        if len(self.sources) == 1:
+            return [self.offsets[0] + int(upto)]
+        counts = list(self.offsets)
+        if upto > 0:
+            self.locate(upto - 1)  # materialise the blocks up to upto
+            full, rest = divmod(int(upto), BLEND_BLOCK)
+            chosen = [src for src, _ in self._blocks[:full]]
+            if rest:
+                chosen.append(self._blocks[full][0][:rest])
+            for d, n in enumerate(np.bincount(np.concatenate(chosen), minlength=len(self.sources))):
+                counts[d] += int(n)
+        return counts
 
     def _next_block(self) -> tuple[np.ndarray, np.ndarray]:
         """The next BLEND_BLOCK decisions of the largest-error rule, continuing the running counts."""
@@ -297,10 +321,10 @@ class BlendedSamples:
             if g == start and g > 0:
                 seg_counts[:] = [0] * n  # a new mixture segment: its own largest-error counts
             x = float(max(g - start, 1))
-            best, best_err = 0, weights[0] * x - seg_counts[0]
-            for d in range(1, n):
+            best, best_err = -1, 0.0
+            for d in range(n):  # a source of weight 0 is never read (ties would otherwise pick it)
                 err = weights[d] * x - seg_counts[d]
-                if err > best_err:
+                if weights[d] > 0 and (best < 0 or err > best_err):
                     best, best_err = d, err
             chosen[t], taken[t] = best, counts[best]
             counts[best] += 1

@@ -70,7 +70,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "model.tie_word_embeddings: false or use tp 1."
         )
     plans = TP_PLANS[args.family]
-    parallelize_module(model, tp_mesh, plans.top_plan(args))
+    # A pipeline stage lacks the embedding or the head (None): plan only the modules it has.
+    top = {k: v for k, v in plans.top_plan(args).items() if getattr(model, k, None) is not None}
+    parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plans.block_plan(args))
 
@@ -87,12 +89,20 @@ def apply_recompute(model: nn.Module, mode: str, every: int) -> None:
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, cpu_offload: bool, device_type: str
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    cpu_offload: bool,
+    device_type: str,
+    ignored_params: set | None = None,
 ) -> None:
-    """``fully_shard`` each block, then the root, with the stage's resharding policy."""
+    """``fully_shard`` each block, then the root, with the stage's resharding policy. ``ignored_params``
+    (expert-parallel experts, already sharded) are left alone by FSDP."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     kwargs: dict = {"mesh": dp_mesh, "reshard_after_forward": zero_stage >= 3}
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
     for block in model.layers.values():
@@ -112,11 +122,22 @@ def parallelize(
 ) -> bool:
     """Apply TP -> recompute -> compile -> FSDP as configured. Returns True when FSDP wraps the model (its
     gradient reduction then averages over the data-parallel ranks)."""
-    if dims.pp > 1 or dims.cp > 1 or dims.ep > 1:
+    if dims.cp > 1:
+        from llmtrain.distributed.pipeline import check_context_parallel
+
+        check_context_parallel(dims.cp, device_type)
+    if getattr(model.args, "num_experts", 0) and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(
-            "parallel.pipeline_parallel, context_parallel and expert_parallel > 1 are not available in this "
-            "version yet (tensor, data / ZeRO / HSDP parallel are); set them to 1."
+            "an MoE model (model.moe.num_experts > 0) with tensor_parallel or pipeline_parallel > 1 is not "
+            "supported yet; use data parallel (ZeRO 0-3) and expert_parallel."
         )
+    expert_params: set = set()
+    if dims.ep > 1:  # experts sharded over the dp ranks, before FSDP (which must then ignore them)
+        from llmtrain.distributed import expert_parallel
+
+        assert world is not None
+        expert_parallel.apply_ep(model, expert_parallel.ep_mesh_for(dims, world), grad_divisor=dims.dp)
+        expert_params = expert_parallel.expert_params(model)
     if dims.tp > 1:
         assert world is not None
         apply_tp(model, world["tp"])
@@ -134,7 +155,13 @@ def parallelize(
     if fsdp:
         assert world is not None
         zero = cfg.parallel.effective_zero_stage()
-        apply_fsdp(model, dp_mesh_for(dims, world, zero), zero, cfg.parallel.cpu_offload, device_type)
+        # Under PP, zero-bubble schedules give wrong gradients with reshard_after_forward=True on this torch
+        # (docs: pipeline parallel): stage modules keep parameters gathered from forward to backward.
+        resharding = min(zero, 2) if dims.pp > 1 else zero
+        apply_fsdp(
+            model, dp_mesh_for(dims, world, zero), resharding, cfg.parallel.cpu_offload, device_type,
+            ignored_params=expert_params,
+        )  # fmt: skip
     elif cfg.parallel.cpu_offload:
         raise ConfigError("parallel.cpu_offload needs data_parallel > 1 (it is FSDP2's offload policy).")
     return fsdp

@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--catalog", help="extra device catalog YAML (same layout as llmtrain/plan/devices.yaml)"
     )
-    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
-                        help="activation recompute (no config section for it yet)")  # fmt: skip
+    parser.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
+                        help="activation recompute (default: the config's recompute.mode)")  # fmt: skip
     parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params, grads, states")
     parser.add_argument("--search", action="store_true", help="rank the valid layouts of the cluster")
     parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
@@ -150,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
     cfg, _notes = load_config(args.config, args.overrides)
     cluster = resolve_cluster(cfg, args.cluster, args.catalog)
     layout, margs, tokens_per_step = layout_from_config(
-        cfg, cluster.num_devices, args.recompute, args.offload
+        cfg, cluster.num_devices, args.recompute or cfg.recompute.mode, args.offload
     )
     fused = bool(cfg.train.compile)
     result = evaluate(margs, layout, cluster, tokens_per_step, fused)

@@ -4,7 +4,8 @@ Byte accounting (per parameter of the slice a device owns after tensor and pipel
 
     parameters        4 B   fp32 master weights (they are the model's parameters; autocast / FSDP2's
                             MixedPrecisionPolicy make bf16/fp16 working copies, counted under "other")
-    gradients         4 B   fp32, as FSDP2 reduces with reduce_dtype fp32
+    gradients         4 B   fp32, as FSDP2 reduces with reduce_dtype fp32; TP without FSDP adds the
+                            embedding's whole vocab x h gradient (it comes back replicated, see below)
     optimizer_states  8 B   AdamW exp_avg + exp_avg_sq in fp32 (+ 4 B per tensor for ``step``, negligible)
 
 That is the 16 B/parameter of mixed-precision Adam (DeepSpeed's 2 + 2 + 12 count the same total). The ZeRO
@@ -201,6 +202,10 @@ def _stage_memory(args: TransformerArgs, lay: Layout, stage: int, capacity: floa
     params = MASTER_BYTES * p_local / shard
     grads = GRAD_BYTES * p_local / shard
     states = ADAM_BYTES * p_local / shard
+    if lay.tp > 1 and lay.zero_stage == 0 and stage == 0:
+        # The embedding's gradient under TP (RowwiseParallel over the vocabulary) comes back Replicate: the
+        # whole vocab x h table on every TP rank; without FSDP nothing reshards it (measured on gloo).
+        grads += GRAD_BYTES * args.vocab_size * args.hidden_size * (1 - 1 / lay.tp)
     host = 0.0
     if lay.offload:
         host, params, grads, states = params + grads + states, 0.0, 0.0, 0.0

@@ -3,7 +3,8 @@
 One global cost model (calibration in ``docs/planner.md``); nothing is fitted per published run:
 
 * **Compute** of one micro-batch on the busiest pipeline stage: matmul FLOPs (6 x weights per token, /tp) at
-  ``peak x matmul_efficiency``; causal attention FLOPs (6 L s nh hd per token, /tp /cp) at that rate times
+  ``peak x matmul_efficiency``; causal attention FLOPs as executed (7 L s nh hd per token, /tp /cp: flash
+  attention's backward recomputes Q K^T, one pass more than the model count's 6) at that rate times
   :attr:`Efficiency.attention_ratio`; element-wise kernels (norms, RoPE, SwiGLU, residuals, casts) as memory
   traffic ``act_bytes x (c_h h + c_i I) / tp`` per token per layer at the device's memory bandwidth, with
   eager (unfused) or fused constants (``train.compile`` / graph mode). Recompute adds one forward of the
@@ -107,8 +108,10 @@ def estimate_step_time(
     block_w = args._layer_params() - 2 * h  # matmul weights of one block (norms are element-wise)
     rc_fwd = {"none": 0.0, "selective": 1.0 / max(lay.recompute_every, 1), "full": 1.0}[lay.recompute]
     mm_flops = 6 * block_w / t * local_tokens * layers * (1 + rc_fwd / 3)
+    # Flash attention's backward recomputes Q K^T: 7 causal matmul passes executed where the model FLOP
+    # count (6 L s nh hd) has 6 (forward 2, backward 4).
     attn_flops = (
-        6 * args.num_heads * args.head_dim * lay.seq_length / t * local_tokens * layers * (1 + rc_fwd / 3)
+        7 * args.num_heads * args.head_dim * lay.seq_length / t * local_tokens * layers * (1 + rc_fwd / 3)
     )
     out_flops = 6 * v * h / t * local_tokens  # output projection, on the last stage
     c_h, c_i = eff.fused_elementwise if fused else eff.eager_elementwise

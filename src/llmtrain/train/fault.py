@@ -105,6 +105,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("hang", step, self.cfg.hang_at_step):
             time.sleep(self.cfg.hang_seconds)
+        if self.cfg.slow_seconds > 0 and self.cfg.slow_rank == self.rank:  # every step: a straggler drill
+            time.sleep(self.cfg.slow_seconds)
         starts = [s for s in self.cfg.spike_at_step if s <= step < s + max(self.cfg.spike_steps, 1)]
         if starts and self._due("spike", step, [step], every_rank=True):
             return [self._corrupt(mb, step, i) for i, mb in enumerate(batch)]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from llmtrain.config.schema import LoggingConfig
+from llmtrain.errors import ConfigError
 
 # Peak dense bf16/fp16 FLOP/s per device used for MFU when logging.peak_tflops is not set (vendor datasheets).
 PEAK_TFLOPS = {"cuda": 989.0, "npu": 313.0, "cpu": 1.0}
@@ -52,6 +53,7 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         enabled: bool = True,
+        run_config: dict | None = None,
     ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -60,8 +62,11 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.tb = None
         self.progress = None
+        self.wandb = None
         if not enabled:
             return
+        if getattr(cfg, "wandb", False):
+            self.wandb = start_wandb(cfg, self.run_dir, run_config)
         truncate_after(self.path, start_step)
         self._file = open(self.path, "a")
         if cfg.tensorboard:
@@ -93,6 +98,9 @@ class MetricsLogger:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(f"train/{k}" if not k.startswith("val") else f"val/{k}", v, step)
+        if self.wandb is not None:
+            scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+            self.wandb.log(scalars, step=step)
         line = self._format(row)
         if self.progress is not None:
             self.progress.update(self.task, completed=step, info=line)
@@ -135,7 +143,27 @@ class MetricsLogger:
             self.progress.stop()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self._file.close()
+
+
+def start_wandb(cfg: LoggingConfig, run_dir: Path, run_config: dict | None) -> Any:
+    """``wandb.init`` for logging.wandb (imported only then); a ConfigError names the fix when it is missing."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError(
+            "logging.wandb is true but the wandb package is not installed: run `pip install wandb` (or "
+            "`pip install llmtrain[wandb]`), or set logging.wandb: false."
+        ) from e
+    return wandb.init(
+        project=cfg.wandb_project,
+        mode=cfg.wandb_mode,
+        dir=str(run_dir),
+        name=run_dir.name,
+        config=run_config or {},
+    )
 
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path | None:
@@ -156,6 +184,15 @@ def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path | None:
         ax.plot(*zip(*train), label="train loss", lw=1.2)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5, ms=4)
+    stages = [(r["step"], r["stage"]) for r in rows if r.get("stage") is not None and "loss" in r]
+    for (_, before), (step, name) in zip(stages, stages[1:]):  # boundaries of a multi-stage run
+        if name != before:
+            ax.axvline(step - 0.5, color="grey", ls="--", lw=1)
+            ax.annotate(name, (step, 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=8)
+    if stages and len({name for _, name in stages}) > 1:
+        ax.annotate(
+            stages[0][1], (stages[0][0], 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=8
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

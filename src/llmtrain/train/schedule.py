@@ -40,12 +40,12 @@ class LRSchedule:
         if self.warmup_steps > 0 and step <= self.warmup_steps:
             return self.lr * step / self.warmup_steps
         p = min(max((step - self.warmup_steps) / max(self.decay_steps, 1), 0.0), 1.0)
-        return self.min_lr + (self.lr - self.min_lr) * _decay_factor(
+        return self.min_lr + (self.lr - self.min_lr) * decay_factor(
             self.decay_style, p, self.wsd_decay_fraction
         )
 
 
-def _decay_factor(style: str, p: float, wsd_fraction: float) -> float:
+def decay_factor(style: str, p: float, wsd_fraction: float) -> float:
     """Fraction of (lr - min_lr) remaining at decay progress ``p`` in [0, 1]."""
     if style == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * p))

@@ -111,6 +111,14 @@ class StabilityGuard:
         self.rollbacks = 0
         self.active_plan: RollbackPlan | None = None
 
+    def reconfigure(self, cfg: StabilityConfig) -> None:
+        """New thresholds (a stage boundary); the statistics seen so far are kept (the newest ``window``)."""
+        if cfg.rule not in RULES:
+            raise ValueError(f"stability.rule {cfg.rule!r} is not one of {', '.join(RULES)}")
+        old = self.history
+        self.cfg = cfg
+        self.history = {m: deque(old.get(m, ()), maxlen=cfg.window) for m in cfg.watch}
+
     # ---- the per-step call
     def observe(self, step: int, loss: float, grad_norm: float | None = None) -> Decision:
         values = {"loss": float(loss)}

@@ -10,6 +10,8 @@ Every family (Llama 3, Qwen2/3, GLM-4, Baichuan 2) is the same pre-norm block wi
 * ``rope_interleaved``      rotate adjacent pairs (2i, 2i+1) (GLM-4) instead of the two halves (Llama/HF).
 * ``position_embedding``    ``rope`` or ``alibi`` (Baichuan 2 13B).
 * ``norm_head``             L2-normalised rows of the output embedding (Baichuan 2).
+* ``num_experts`` > 0       Mixture-of-experts feed-forward (``models/common/moe.py``) in the blocks that
+                            ``is_moe_layer`` selects; FLOPs count only the active (top_k) experts.
 
 Parameter counts and FLOPs are computed here analytically, so the real-size flavors (8B ... 405B) can be
 costed without building anything; ``num_params`` equals the built model's ``sum(p.numel())`` exactly.
@@ -49,6 +51,31 @@ class TransformerArgs:
     norm_head: bool = False
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+    # Mixture of experts (models/common/moe.py); num_experts 0 = dense. See ModelConfig.moe / MoEConfig.
+    num_experts: int = 0
+    top_k: int = 2
+    moe_hidden_size: int = 0
+    shared_experts: int = 0
+    router_score: str = "softmax"
+    route_norm: bool = True
+    aux_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float | None = None
+    moe_every: int = 1
+    first_dense_layers: int = 0
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` has an MoE feed-forward: past ``first_dense_layers``, and one block in
+        ``moe_every`` counted as Qwen's ``decoder_sparse_step`` does (``(layer_id + 1) % moe_every == 0``)."""
+        return (
+            self.num_experts > 0
+            and layer_id >= self.first_dense_layers
+            and (layer_id + 1) % self.moe_every == 0
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def rotary_dim(self) -> int:
@@ -73,15 +100,24 @@ class TransformerArgs:
         ffn = 3 * d * self.intermediate_size  # w1, w2, w3
         return attn + ffn + 2 * d  # + attention_norm, ffn_norm
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
+    def _moe_delta(self, active: bool) -> int:
+        """Parameters of one MoE block minus those of a dense block (all experts, or the top_k active ones)."""
+        d, h = self.hidden_size, self.moe_hidden_size
+        routed = (self.top_k if active else self.num_experts) * 3 * d * h
+        moe = d * self.num_experts + routed + self.shared_experts * 3 * d * h  # router + experts + shared
+        return moe - 3 * d * self.intermediate_size
+
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
         """Exact parameter count of the built model (tied embeddings counted once).
 
         ``exclude_embedding`` leaves out the input embedding table (``tok_embeddings``) only; with tied
-        embeddings that is also the output matrix, since they are one tensor.
+        embeddings that is also the output matrix, since they are one tensor. ``active`` counts, in MoE
+        blocks, only the ``top_k`` routed experts a token passes through (plus router and shared experts).
         """
         embed = self.vocab_size * self.hidden_size
         output = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         total = self.num_layers * self._layer_params() + self.hidden_size + output  # + final norm
+        total += self.num_moe_layers * self._moe_delta(active)
         return total if exclude_embedding else total + embed
 
     def flops_per_token(self, seq_length: int) -> float:
@@ -93,8 +129,45 @@ class TransformerArgs:
         causal count, half of the ``12 * L * T * d`` of full attention, since the masked half is not computed
         by flash kernels (the PaLM / nanoGPT MFU convention uses the full 12; ours is the lower, causal one).
         """
-        dense = self.num_params(exclude_embedding=True)
+        dense = self.num_params(exclude_embedding=True, active=True)  # MoE: the experts a token visits
         if self.tie_word_embeddings:
             dense += self.vocab_size * self.hidden_size
         attention = 6 * self.num_layers * seq_length * self.num_heads * self.head_dim
         return float(6 * dense + attention)
+
+
+def check_moe_args(values: dict[str, Any]) -> None:
+    """Validate the MoE fields of a resolved argument dict (ConfigError naming the ``model.moe.*`` key)."""
+    from llmtrain.errors import ConfigError  # local: keeps this module import-light
+
+    n = values.get("num_experts", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"model.moe.num_experts must be an integer >= 0 (0 = dense), got {n!r}.")
+    if n == 0:
+        return
+    k = values.get("top_k", 2)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ConfigError(f"model.moe.top_k must be an integer in [1, num_experts={n}], got {k!r}.")
+    if not values.get("moe_hidden_size"):  # unset: each expert as wide as the dense MLP
+        values["moe_hidden_size"] = values["intermediate_size"]
+    for key in ("moe_hidden_size", "moe_every"):
+        v = values.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            name = "every" if key == "moe_every" else key
+            raise ConfigError(f"model.moe.{name} must be a positive integer, got {v!r}.")
+    for key in ("shared_experts", "first_dense_layers"):
+        v = values.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"model.moe.{key} must be an integer >= 0, got {v!r}.")
+    score = values.get("router_score", "softmax")
+    if score not in ("softmax", "sigmoid"):
+        raise ConfigError(f"model.moe.router_score must be softmax or sigmoid, got {score!r}.")
+    for key in ("aux_loss_coef", "bias_update_rate"):
+        v = values.get(key, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"model.moe.{key} must be a number >= 0 (0 = off), got {v!r}.")
+    cap = values.get("capacity_factor")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+        raise ConfigError(
+            f"model.moe.capacity_factor must be a positive number or null (no drop), got {cap!r}."
+        )

@@ -18,7 +18,7 @@ from typing import Any
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.errors import ConfigError
-from llmtrain.models.common.args import TransformerArgs
+from llmtrain.models.common.args import TransformerArgs, check_moe_args
 
 # ModelConfig fields copied onto TransformerArgs when set (same names on both sides).
 _OVERRIDABLE = (
@@ -122,6 +122,9 @@ def resolve(spec: FamilySpec, cfg: ModelConfig, vocab_size: int | None) -> Trans
         value = getattr(cfg, key)
         if value is not None:
             values[key] = value
+    for key, value in vars(getattr(cfg, "moe", None) or {}).items():  # model.moe.* (every -> moe_every)
+        if value is not None:
+            values["moe_every" if key == "every" else key] = value
     if not cfg.use_rope:
         if cfg.position_embedding not in (None, "alibi"):
             raise ConfigError(
@@ -187,6 +190,7 @@ def _finish(values: dict[str, Any]) -> TransformerArgs:
     unknown = set(values) - _ARG_FIELDS
     if unknown:
         raise ConfigError(f"unknown model argument(s) {', '.join(sorted(unknown))}.")
+    check_moe_args(values)
     return TransformerArgs(**values)
 
 

@@ -30,6 +30,7 @@ from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.attention import Attention, AttentionMask, build_attention_mask
 from llmtrain.models.common.kv_cache import KVCache
 from llmtrain.models.common.layers import FeedForward, NormHead, RMSNorm
+from llmtrain.models.common.moe import MoE
 from llmtrain.models.common.rope import RotaryEmbedding
 
 
@@ -42,7 +43,11 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.feed_forward = FeedForward(args.hidden_size, args.intermediate_size)
+        self.feed_forward: FeedForward | MoE = (
+            MoE(args)
+            if args.is_moe_layer(layer_id)
+            else FeedForward(args.hidden_size, args.intermediate_size)
+        )
 
     def forward(
         self,
@@ -101,6 +106,8 @@ class Transformer(nn.Module):
         # Full sequence length from the input: under sequence parallel the embedding output holds only this
         # rank's slice of the sequence, while attention (after its all-gather) sees all of it.
         bsz, seqlen = input_ids.shape[:2]
+        if position_ids is not None and self.tok_embeddings is None:  # a pipeline stage fed a sequence slice
+            seqlen = position_ids.shape[-1]
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids  # [B, T, dim]
         past = cache.length if cache is not None else 0
         if position_ids is None:
@@ -148,12 +155,22 @@ class Transformer(nn.Module):
             else:
                 gen = torch.Generator(device=param.device)
                 gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-                residual = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+                residual = name.endswith(
+                    (
+                        "attention.wo.weight",
+                        "feed_forward.w2.weight",
+                        "experts.w2",
+                        "shared_experts.w2.weight",
+                    )
+                )
                 _normal_(param, residual_std if residual else std, gen)
         if self.rope is not None:
             self.rope.reset_buffers(device)
         for layer in self.layers.values():
             layer.attention.reset_buffers(device)
+        for module in self.modules():  # MoE routers' aux-loss-free bias starts at zero
+            if isinstance(module, MoE):
+                module.router.init_buffers()
 
 
 def _normal_(param: torch.Tensor, std: float, gen: torch.Generator) -> None:

@@ -7,7 +7,8 @@ the published checkpoints do. Published sizes (parameters, tied counted once):
 
 qwen2: 0.5b 494,032,768; 1.5b 1,543,714,304; 7b 7,615,616,512; 72b 72,706,203,648.
 qwen3: 0.6b 596,049,920; 1.7b 1,720,574,976; 4b 4,022,468,096; 8b 8,190,735,360;
-14b 14,768,307,200; 32b 32,762,123,264.
+14b 14,768,307,200; 32b 32,762,123,264; 30b_a3b (MoE) 30,532,122,624 total, 3,353,032,704 active
+(published: 30.5B total, 3.3B activated).
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ _DEMO = {
     "intermediate_size": 1024,
     "vocab_size": 8192,
 }
+
+# Tiny MoE: 4 experts, top 2, one shared expert, both balancing methods on (so tests exercise them).
+_DEBUG_MOE = {
+    "num_experts": 4,
+    "top_k": 2,
+    "moe_hidden_size": 64,
+    "shared_experts": 1,
+    "aux_loss_coef": 0.01,
+    "bias_update_rate": 0.001,
+}
+# Qwen3-30B-A3B (config.json): 128 experts of width 768, top 8, renormalised, every block, router aux 0.001.
+_QWEN3_30B_A3B_MOE = {"num_experts": 128, "top_k": 8, "moe_hidden_size": 768, "aux_loss_coef": 0.001}
 
 
 def _shape(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, tied: bool) -> dict:
@@ -74,6 +87,13 @@ QWEN3 = FamilySpec(
         "8b": {**_shape(4096, 36, 32, 8, 12288, 151936, tied=False), "head_dim": 128},
         "14b": {**_shape(5120, 40, 40, 8, 17408, 151936, tied=False), "head_dim": 128},
         "32b": {**_shape(5120, 64, 64, 8, 25600, 151936, tied=False), "head_dim": 128},
+        # Mixture of experts (models/common/moe.py): a tiny one for tests, and Qwen3-30B-A3B.
+        "debug_moe": {**_DEBUG, "head_dim": 32, **_DEBUG_MOE},
+        "30b_a3b": {
+            **_shape(2048, 48, 32, 4, 6144, 151936, tied=False),
+            "head_dim": 128,
+            **_QWEN3_30B_A3B_MOE,
+        },
     },
     hf=hf,
 )

@@ -1,0 +1,382 @@
+"""Pipeline parallelism from the YAML: stage split, placement, schedule and the per-step runner.
+
+The approach is torchtitan's ``pipeline_module_split``, adapted so that the rest of the trainer (optimizer,
+checkpoints, host snapshots, fault drills) keeps seeing *one* module per rank:
+
+1. The full model is built on the meta device. Layers are assigned to ``pp x virtual_stages`` stage chunks
+   (``parallel.pipeline_layers``, or an even split); chunk ``s`` holds a contiguous run of layers.
+2. Chunks are placed on pipeline ranks: loop style (rank ``r`` holds ``r, r + pp, r + 2pp, ...``) for every
+   schedule but ``zbv``, which needs the V shape (rank ``r`` holds ``r`` and ``2pp - 1 - r``).
+3. The *rank model* is the meta model pruned in place to this rank's layers (``tok_embeddings`` kept only if
+   the rank holds chunk 0, ``norm`` / ``output`` only if it holds the last chunk). The ``layers`` ModuleDict
+   keeps the original indices as keys, so parameter names are the full model's FQNs and a DCP checkpoint
+   written under one layout loads under any other (PP2 -> single process included).
+4. Each chunk is a *stage module*: a shell Transformer that shares the rank model's submodules (no copy of
+   any parameter). TP -> recompute -> compile -> FSDP are applied per stage module by ``parallelize``
+   (FSDP with ``reshard_after_forward=False`` under PP, see the CPU notes), so the shared parameters become
+   the sharded DTensors the rank model, the optimizer and the checkpointer see.
+5. :class:`PipelineRunner` feeds this rank's micro-batches (concatenated to the local batch ``[B, T]``) to
+   torch's schedule, which splits them into ``parallel.micro_batch_num`` pipeline micro-batches (the default
+   1 means "one per gradient-accumulation step", i.e. micro-batches of ``train.micro_batch_size``). The loss
+   function given to the schedule is the trainer's (summed token CE) times the trainer's normalisation
+   (``dp / tokens in the global batch`` when FSDP averages), with ``scale_grads=False``, so the gradients are
+   exactly the single-process ones. The summed CE of the last stage is all-reduced over the pp group, so every
+   rank returns the same loss; the grad norm is reduced over the pp group by ``precision.grad_norm_``.
+
+Context parallel (``parallel.context_parallel > 1``) is refused with a ConfigError
+(:func:`check_context_parallel`): torch's ``context_parallel`` (ring attention over SDPA) has no CPU kernel
+strategy, and on accelerators it covers only plain causal masks, not this codebase's document masks.
+
+Every stage gets ``position_ids [B, T]`` as a keyword argument: under sequence parallel a middle stage
+receives only its sequence slice ``[B, T / tp, dim]`` and could not infer the full length from its input.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtrain.config.schema import Config, ParallelConfig
+from llmtrain.distributed.parallel_dims import ParallelDims
+from llmtrain.errors import ConfigError
+
+# config name -> torch.distributed.pipelining class name (explicit registry; imported lazily)
+SCHEDULES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+SINGLE_STAGE = ("gpipe", "1f1b")  # one chunk per rank; the others are multi-stage schedules
+
+
+def schedule_name(p: ParallelConfig) -> str:
+    """The schedule to run: ``parallel.schedule``; the seed key micro_batch_interleave turns 1f1b interleaved."""
+    if p.micro_batch_interleave and p.schedule == "1f1b":
+        return "interleaved_1f1b"
+    return p.schedule
+
+
+def layers_per_stage(num_layers: int, p: ParallelConfig) -> list[int]:
+    """Layers of each stage chunk (in model order), from ``parallel.pipeline_layers`` or an even split."""
+    n_chunks = p.pipeline_parallel * p.virtual_stages
+    explicit = p.pipeline_layers
+    if explicit is None:
+        if num_layers % n_chunks:
+            raise ConfigError(
+                f"model.num_layers {num_layers} is not divisible by pipeline_parallel {p.pipeline_parallel} x "
+                f"virtual_stages {p.virtual_stages} = {n_chunks} stage chunks. Give an explicit uneven split "
+                f"with parallel.pipeline_layers (a list of {n_chunks} layer counts summing to {num_layers}), "
+                f"or change the degrees."
+            )
+        return [num_layers // n_chunks] * n_chunks
+    counts = list(explicit)
+    if len(counts) != n_chunks or sum(counts) != num_layers:
+        raise ConfigError(
+            f"parallel.pipeline_layers {counts} must list {n_chunks} layer counts (pipeline_parallel "
+            f"{p.pipeline_parallel} x virtual_stages {p.virtual_stages}) that sum to model.num_layers "
+            f"{num_layers}; it has {len(counts)} entries summing to {sum(counts)}."
+        )
+    if any(not isinstance(c, int) or c < 0 for c in counts) or any(c < 1 for c in counts[1:-1]):
+        raise ConfigError(
+            f"parallel.pipeline_layers {counts}: every entry must be an integer >= 1 (only the first and the "
+            f"last stage, which also hold the embedding and the output head, may have 0 layers)."
+        )
+    return counts
+
+
+def stage_ids(pp_rank: int, p: ParallelConfig) -> list[int]:
+    """The stage chunks pipeline rank ``pp_rank`` holds, in execution order of its schedule."""
+    pp, v = p.pipeline_parallel, p.virtual_stages
+    if schedule_name(p) == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(v)]
+
+
+def pipeline_microbatches(cfg: Config, dp: int) -> int:
+    """Pipeline micro-batches per step: ``parallel.micro_batch_num``, or when it is 1 (the default) the
+    gradient-accumulation steps ``batch_size / (micro_batch_size x dp)`` (the planner's convention)."""
+    n_mb = cfg.parallel.micro_batch_num
+    return n_mb if n_mb > 1 else max(cfg.train.batch_size // max(cfg.train.micro_batch_size * dp, 1), 1)
+
+
+def check_pipeline(cfg: Config, num_layers: int, tie_word_embeddings: bool, dp: int) -> None:
+    """ConfigError for a pipeline layout that cannot run (called by config validation and by the builder)."""
+    p = cfg.parallel
+    if p.pipeline_parallel <= 1:
+        if p.pipeline_layers is not None:
+            raise ConfigError("parallel.pipeline_layers is only used with pipeline_parallel > 1; remove it.")
+        return
+    name, pp, v, n_mb = (
+        schedule_name(p),
+        p.pipeline_parallel,
+        p.virtual_stages,
+        pipeline_microbatches(cfg, dp),
+    )
+    if name in SINGLE_STAGE and v != 1:
+        raise ConfigError(
+            f"parallel.schedule {name} runs one stage per rank, but parallel.virtual_stages is {v}; use "
+            f"virtual_stages: 1, or schedule interleaved_1f1b / zero_bubble for virtual stages."
+        )
+    if name == "zbv" and v != 2:
+        raise ConfigError(
+            f"parallel.schedule zbv places exactly 2 stage chunks per rank in a V shape; set "
+            f"parallel.virtual_stages: 2 (got {v})."
+        )
+    if name == "1f1b" and n_mb < pp:
+        raise ConfigError(
+            f"parallel.schedule 1f1b needs {n_mb} pipeline micro-batches (parallel.micro_batch_num, or the "
+            f"gradient-accumulation steps when it is 1) >= pipeline_parallel {pp}: one in flight per stage. "
+            f"Set micro_batch_num >= {pp} (e.g. {2 * pp}), or use schedule gpipe."
+        )
+    rounds = max(1, n_mb // pp)
+    if name in ("interleaved_1f1b", "zero_bubble") and n_mb % rounds:
+        raise ConfigError(
+            f"parallel.schedule {name} runs micro-batches in rounds of pipeline_parallel {pp}: "
+            f"{n_mb} pipeline micro-batches (parallel.micro_batch_num) must be a multiple of its {rounds} rounds (e.g. "
+            f"{rounds * pp} or {(rounds + 1) * pp})."
+        )
+    batch = cfg.train.batch_size
+    if batch % (dp * n_mb):
+        raise ConfigError(
+            f"train.batch_size {batch} (the global batch) is not divisible by data-parallel size {dp} x "
+            f"{n_mb} pipeline micro-batches (parallel.micro_batch_num) = {dp * n_mb}: each data-parallel rank "
+            f"splits its share of the batch into that many equal pipeline micro-batches."
+        )
+    if tie_word_embeddings:
+        raise ConfigError(
+            "pipeline_parallel > 1 with tied input/output embeddings (model.tie_word_embeddings) is not "
+            "supported: the embedding and the output head live on different stages. Set "
+            "model.tie_word_embeddings: false."
+        )
+    if cfg.train.compile and name in ("zero_bubble", "zbv"):
+        raise ConfigError(
+            f"train.compile with parallel.schedule {name} is not supported by torch's zero-bubble schedules "
+            "(they split backward into input and weight parts); set train.compile: false or use 1f1b."
+        )
+    layers_per_stage(num_layers, p)
+
+
+def check_context_parallel(cp: int, device_type: str) -> None:
+    """ConfigError for ``parallel.context_parallel > 1``: the decision recorded in the module docstring."""
+    if cp <= 1:
+        return
+    where = (
+        "on the CPU, torch's context_parallel cannot run at all: its ring attention only shards the CUDA "
+        "SDPA kernels (flash / efficient / cuDNN), and the CPU kernel "
+        "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy (measured on torch "
+        f"{torch.__version__} with gloo)"
+        if device_type == "cpu"
+        else "on accelerators torch's ring attention supports only plain causal masks, while this codebase "
+        "also uses document masks and ALiBi, and the path is not wired and loss-parity tested in this version"
+    )
+    raise ConfigError(
+        f"parallel.context_parallel {cp} is not supported: {where}. Set parallel.context_parallel: 1; for long "
+        "sequences use recompute.mode: full with tensor_parallel (sequence parallel shards activations along "
+        "the sequence) or pipeline_parallel."
+    )
+
+
+def split_model(model: nn.Module, stages: list[int], counts: list[int]) -> tuple[nn.Module, list[nn.Module]]:
+    """Prune ``model`` (meta) in place to the layers of ``stages``; return it and one shell module per stage.
+
+    The shells share every submodule with the pruned model (``deepcopy`` with all submodules memoised), so
+    parameters exist once and keep their full-model names in the pruned model.
+    """
+    n_chunks = len(counts)
+    starts = [sum(counts[:s]) for s in range(n_chunks)]
+    keys_of = {s: [str(i) for i in range(starts[s], starts[s] + counts[s])] for s in stages}
+    kept = {k for s in stages for k in keys_of[s]}
+    for key in [k for k in model.layers if k not in kept]:
+        del model.layers[key]
+    if 0 not in stages:
+        model.tok_embeddings = None
+    if n_chunks - 1 not in stages:
+        model.norm = None
+        model.output = None
+    parts = []
+    for s in stages:
+        memo = {id(m): m for m in model.modules() if m is not model}
+        shell = copy.deepcopy(model, memo)
+        shell.layers = nn.ModuleDict({k: model.layers[k] for k in keys_of[s]})
+        if s != 0:
+            shell.tok_embeddings = None
+        if s != n_chunks - 1:
+            shell.norm = None
+            shell.output = None
+        parts.append(shell)
+    return model, parts
+
+
+@dataclass
+class _StepState:
+    """What the schedule's loss function needs during one ``step`` (set by the runner, read by the loss)."""
+
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    scale: float = 1.0
+    recorded: list[torch.Tensor] | None = None
+
+
+class PipelineRunner:
+    """Runs one pipeline step (train or eval) over this rank's micro-batches; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        dims: ParallelDims,
+        meshes: dict,
+        model: nn.Module,
+        device: torch.device,
+        ce_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        from torch.distributed import pipelining
+
+        from llmtrain.distributed.parallelize import parallelize
+
+        p = cfg.parallel
+        args = model.args
+        check_pipeline(cfg, args.num_layers, args.tie_word_embeddings, dims.dp)
+        self.cfg, self.device, self.ce_loss = cfg, device, ce_loss
+        pp_mesh = meshes["pp"]
+        self.pp_group = pp_mesh.get_group()
+        counts = layers_per_stage(args.num_layers, p)
+        self.stage_ids = stage_ids(pp_mesh.get_local_rank(), p)
+        self.model, self.parts = split_model(model, self.stage_ids, counts)
+        self.fsdp = False
+        for part in self.parts:
+            self.fsdp = parallelize(part, cfg, dims, meshes["world"], device.type)
+        n_chunks = len(counts)
+        self.stages = [
+            pipelining.PipelineStage(part, s, n_chunks, device, group=self.pp_group)
+            for part, s in zip(self.parts, self.stage_ids)
+        ]
+        self.has_first = 0 in self.stage_ids
+        self.has_last = n_chunks - 1 in self.stage_ids
+        self.n_chunks, self.pp_rank = n_chunks, pp_mesh.get_local_rank()
+        self.owner = {s: r for r in range(p.pipeline_parallel) for s in stage_ids(r, p)}  # stage -> pp rank
+        self._state = _StepState()
+        self.n_mb = pipeline_microbatches(cfg, dims.dp)
+        name = schedule_name(p)
+        schedule_cls = getattr(pipelining, SCHEDULES[name])
+        stages = self.stages[0] if name in SINGLE_STAGE else self.stages
+        self.schedule = schedule_cls(stages, n_microbatches=self.n_mb, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one pipeline micro-batch: logits [b, T, vocab], labels [b, T]."""
+        st = self._state
+        loss = self.ce_loss(output, labels)
+        if st.transform is not None:
+            loss = st.transform(loss)
+        if st.recorded is not None:
+            st.recorded.append(loss.detach())
+        return loss * st.scale
+
+    def _inputs(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[tuple, dict, torch.Tensor]:
+        """Positional args (input ids on the first stage's rank only), keyword args and labels [B, T]."""
+        batch = {k: torch.cat([mb[k] for mb in micro_batches]).to(self.device) for k in micro_batches[0]}
+        ids = batch["input_ids"]  # [B, T]
+        kwargs: dict[str, torch.Tensor] = {}
+        if self.cfg.model.document_mask:
+            kwargs["position_ids"] = batch["position_ids"]
+            kwargs["document_ids"] = batch["document_ids"]
+        else:
+            kwargs["position_ids"] = (
+                torch.arange(ids.shape[1], device=self.device).expand_as(ids).contiguous()
+            )
+        args = (ids,) if self.has_first else ()
+        return args, kwargs, batch["labels"]
+
+    def _reduce(self, recorded: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of the recorded losses on the last stage, shared with every rank of the pp group.
+
+        On the first step torch's stage-metadata inference also calls the loss (on uninitialised tensors)
+        before the real micro-batches: only the last ``n_mb`` calls are the step's losses."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.has_last:
+            n_mb = self.n_mb
+            assert len(recorded) >= n_mb, (len(recorded), n_mb)
+            for loss in recorded[-n_mb:]:
+                total += loss.float()
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    def train_step(
+        self,
+        micro_batches: list[dict[str, torch.Tensor]],
+        scale: float,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Forward + backward of this rank's micro-batches; returns their summed (transformed) token CE.
+
+        The loss backpropagated per pipeline micro-batch is ``transform(CE sum) * scale``.
+        """
+        from llmtrain.train.precision import autocast
+
+        args, kwargs, labels = self._inputs(micro_batches)
+        recorded: list[torch.Tensor] = []
+        self._state = _StepState(transform, scale, recorded)
+        with autocast(self.cfg.train.precision, self.device.type):
+            self.schedule.step(*args, target=labels, return_outputs=False, **kwargs)
+        self._state = _StepState()
+        return self._reduce(recorded)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Summed token CE of the micro-batches, forward only, same on every pp rank.
+
+        Runs the stages one after another per pipeline micro-batch with plain send / recv rather than
+        ``schedule.eval``: torch's ZBV runtime still executes its backward actions in eval mode and fails.
+        """
+        from llmtrain.train.precision import autocast
+
+        args, kwargs, labels = self._inputs(micro_batches)
+        n_mb = self.n_mb
+        ids = torch.tensor_split(labels if not args else args[0], n_mb)  # (unused without the first stage)
+        kw = [
+            dict(zip(kwargs, vals)) for vals in zip(*(torch.tensor_split(v, n_mb) for v in kwargs.values()))
+        ]
+        targets = torch.tensor_split(labels, n_mb)
+        mine = dict(zip(self.stage_ids, self.parts))
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        with autocast(self.cfg.train.precision, self.device.type):
+            for m in range(n_mb):
+                h: torch.Tensor | None = None
+                for s in range(self.n_chunks):
+                    if s not in mine:
+                        continue
+                    if s > 0 and self.owner[s - 1] != self.pp_rank:
+                        h = self._recv(self.owner[s - 1])
+                    h = mine[s](ids[m] if s == 0 else h, **kw[m])  # [b, T(/tp), dim] or logits
+                    if s == self.n_chunks - 1:
+                        total += self.ce_loss(h, targets[m]).float()
+                    elif self.owner[s + 1] != self.pp_rank:
+                        self._send(h, self.owner[s + 1])
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    def _send(self, t: torch.Tensor, pp_peer: int) -> None:
+        """Send an activation (shape and dtype first) to pipeline rank ``pp_peer``."""
+        peer = dist.get_global_rank(self.pp_group, pp_peer)
+        header = torch.zeros(8, dtype=torch.int64)
+        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+        header[2 : 2 + t.dim()] = torch.tensor(t.shape)
+        dist.send(header.to(self.device), peer, group=self.pp_group)
+        dist.send(t.contiguous(), peer, group=self.pp_group)
+
+    def _recv(self, pp_peer: int) -> torch.Tensor:
+        peer = dist.get_global_rank(self.pp_group, pp_peer)
+        header = torch.zeros(8, dtype=torch.int64, device=self.device)
+        dist.recv(header, peer, group=self.pp_group)
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        out = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
+        dist.recv(out, peer, group=self.pp_group)
+        return out
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -1,0 +1,54 @@
+"""``llmtrain report RUN_DIR [--out report.html]``: one self-contained HTML report of a run.
+
+The page needs no network to open: the plots are matplotlib figures inlined as SVG, the CSS and the one small
+check script are inline. It shows loss and validation loss, LR, grad norm, loss scale, tokens/s, MFU, memory,
+the compute / communication / data split, per-rank busy times, stage boundaries and the events timeline
+(checkpoints, rollbacks with the skipped data windows, restarts, NaN skips, stragglers), under a header with
+the config summary, parameter count, layout, tokens seen, elapsed time and the planner's estimate beside the
+measured figures. It reads only files, so it works on a run that is still going and on one that crashed
+(``run_data`` skips a torn last line). The file is written atomically (temporary file, then rename).
+
+Modules: ``run_data`` (reading the run, the plan), ``plots`` (SVG figures), ``page`` (HTML).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from llmtrain.report.page import render_page
+from llmtrain.report.plots import render_all
+from llmtrain.report.run_data import load_run, plan_estimate
+
+
+def build_report(run_dir: str | Path, out: str | Path | None = None, with_plan: bool = True) -> Path:
+    """Write the report of ``run_dir`` to ``out`` (default ``<run_dir>/report.html``); return its path."""
+    run = load_run(run_dir)
+    plan, note = plan_estimate(run) if with_plan else (None, "not requested (--no-plan)")
+    page = render_page(run, render_all(run), plan, note)
+    out_path = Path(out) if out else run.run_dir / "report.html"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=out_path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run directory (run.output_dir of a training run)")
+    parser.add_argument("--out", help="output HTML file (default: RUN_DIR/report.html)")
+    parser.add_argument("--no-plan", action="store_true", help="skip the planner's estimate")
+
+
+def main(args: argparse.Namespace) -> int:
+    path = build_report(args.run_dir, args.out, with_plan=not args.no_plan)
+    print(f"report: {path}")
+    return 0

@@ -1,0 +1,192 @@
+"""The report's plots: matplotlib figures rendered to inline SVG strings (no JavaScript, no network).
+
+Every plot function takes the :class:`RunData` and an ``Axes`` and draws on it; :func:`render_all` returns
+``{plot_id: svg_text}`` for every id in :data:`PLOTS`, always - a run without the data for a plot gets the plot
+with a "no data yet" note, so the page's layout (and the DOM test) does not depend on what the run logged.
+Stage boundaries are dotted vertical lines on every step-axis plot; the loss plot also marks rollbacks
+(the abandoned rows faint, the re-trained window shaded) and skipped NaN steps.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+
+from llmtrain.report.run_data import RunData
+
+PLOTS: dict[str, str] = {
+    "loss": "Loss (train and validation)",
+    "lr": "Learning rate",
+    "grad_norm": "Gradient norm (before clipping)",
+    "loss_scale": "Loss scale",
+    "tokens_per_s": "Throughput (tokens/s)",
+    "mfu": "MFU",
+    "memory": "Memory (peak, per rank)",
+    "time_split": "Step time split: compute / communication / data / other",
+    "rank_step_time": "Per-rank busy time per step (s)",
+    "events": "Events timeline",
+}
+SPLIT = (("time_compute_frac", "compute"), ("time_comm_frac", "communication"), ("time_data_frac", "data"),
+         ("time_other_frac", "other"))  # fmt: skip
+EVENT_KINDS = ("run_start", "checkpoint", "rollback", "rollback_done", "skip", "resumed", "preempted",
+               "straggler", "stage_start", "stage_end", "checkpoint_fallback", "profile")  # fmt: skip
+
+
+def _xy(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(int(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _stages(run: RunData, ax) -> None:  # noqa: ANN001
+    for step, name in run.stage_starts():
+        ax.axvline(step, color="0.35", ls=":", lw=1)
+        ax.annotate(name, (step, 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
+                    va="top", ha="right", color="0.3")  # fmt: skip
+
+
+def _series(key: str, label: str, log: bool = False) -> Callable:
+    def draw(run: RunData, ax) -> bool:  # noqa: ANN001
+        x, y = _xy(run.latest(), key)
+        if not x:
+            return False
+        ax.plot(x, y, lw=1.2, label=label)
+        if log and min(y) > 0:
+            ax.set_yscale("log")
+        return True
+
+    return draw
+
+
+def _loss(run: RunData, ax) -> bool:  # noqa: ANN001
+    x, y = _xy(run.latest(), "loss")
+    vx, vy = _xy(run.val, "val_loss")
+    if not x and not vx:
+        return False
+    for i, seg in enumerate(run.abandoned()):
+        ax.plot(*_xy(seg, "loss"), color="0.7", lw=1, label="rolled back" if i == 0 else None)
+    if x:
+        ax.plot(x, y, lw=1.2, label="train loss")
+    if vx:
+        ax.plot(vx, vy, "o-", ms=3, lw=1.2, label="validation loss")
+    for i, e in enumerate(run.events_of("rollback_done")):
+        lo, hi = int(e.get("step", 0)), int(e.get("detected_step", e.get("step", 0)))
+        ax.axvspan(lo, max(hi, lo + 1), color="tab:red", alpha=0.12,
+                   label=f"skipped data ({e.get('skipped_batches', '?')} batches)" if i == 0 else None)  # fmt: skip
+    for i, e in enumerate(run.events_of("rollback")):
+        ax.axvline(int(e.get("step", 0)), color="tab:red", lw=1, label="rollback" if i == 0 else None)
+    skips = [int(e.get("step", 0)) for e in run.events_of("skip")]
+    if skips and x:
+        ax.plot(skips, [min(y)] * len(skips), "v", color="tab:purple", label="NaN step skipped")
+    ax.legend(fontsize=7)
+    return True
+
+
+def _memory(run: RunData, ax) -> bool:  # noqa: ANN001
+    rows = run.latest()
+    per_rank = [
+        (int(r["step"]), r["rank_memory_peak_bytes"]) for r in rows if r.get("rank_memory_peak_bytes")
+    ]
+    if per_rank:
+        for rank in range(max(len(v) for _, v in per_rank)):
+            pts = [(s, v[rank] / 2**30) for s, v in per_rank if rank < len(v)]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, label=f"rank {rank} peak")
+    else:
+        x, y = _xy(rows, "memory_bytes")
+        if not x:
+            return False
+        ax.plot(x, [v / 2**30 for v in y], lw=1.2, label="peak")
+    x, y = _xy(rows, "memory_current_bytes")
+    if x:
+        ax.plot(x, [v / 2**30 for v in y], "--", lw=1, label="rank 0 current")
+    ax.set_ylabel("GiB")
+    fx, fy = _xy(rows, "memory_frac")
+    if fx:
+        ax.set_title(f"peak {fy[-1]:.1%} of device capacity (rank 0)", fontsize=8)
+    ax.legend(fontsize=7)
+    return True
+
+
+def _time_split(run: RunData, ax) -> bool:  # noqa: ANN001
+    rows = [r for r in run.latest() if all(isinstance(r.get(k), (int, float)) for k, _ in SPLIT)]
+    if not rows:
+        return False
+    x = [int(r["step"]) for r in rows]
+    ax.stackplot(
+        x, *[[float(r[k]) for r in rows] for k, _ in SPLIT], labels=[n for _, n in SPLIT], alpha=0.85
+    )
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("fraction of the step")
+    ax.legend(fontsize=7, loc="lower left")
+    return True
+
+
+def _rank_times(run: RunData, ax) -> bool:  # noqa: ANN001
+    pts = [(int(r["step"]), r["rank_step_time_s"]) for r in run.latest() if r.get("rank_step_time_s")]
+    if not pts:
+        return False
+    for rank in range(max(len(v) for _, v in pts)):
+        sel = [(s, v[rank]) for s, v in pts if rank < len(v)]
+        ax.plot([p[0] for p in sel], [p[1] for p in sel], lw=1.2, label=f"rank {rank}")
+    for e in run.events_of("straggler"):
+        ax.plot([int(e.get("step", 0))], [float(e.get("step_time", 0))], "r*", ms=9)
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7)
+    return True
+
+
+def _events(run: RunData, ax) -> bool:  # noqa: ANN001
+    kinds = [k for k in EVENT_KINDS if run.events_of(k)]
+    if not kinds:
+        return False
+    for i, kind in enumerate(kinds):
+        steps = [int(e.get("step", 0)) for e in run.events_of(kind)]
+        ax.plot(steps, [i] * len(steps), "|" if kind == "checkpoint" else "o", ms=8)
+    ax.set_yticks(range(len(kinds)), kinds, fontsize=7)
+    ax.set_ylim(-0.7, len(kinds) - 0.3)
+    return True
+
+
+DRAW: dict[str, Callable] = {
+    "loss": _loss,
+    "lr": _series("lr", "lr"),
+    "grad_norm": _series("grad_norm", "grad norm", log=True),
+    "loss_scale": _series("loss_scale", "loss scale", log=True),
+    "tokens_per_s": _series("tokens_per_s", "tokens/s"),
+    "mfu": _series("mfu", "MFU"),
+    "memory": _memory,
+    "time_split": _time_split,
+    "rank_step_time": _rank_times,
+    "events": _events,
+}
+
+
+def render_all(run: RunData) -> dict[str, str]:
+    """``{plot_id: inline <svg>}`` for every plot of PLOTS."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+    for plot_id in PLOTS:
+        with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": f"llmtrain-{plot_id}"}):
+            fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=100)
+            drew = DRAW[plot_id](run, ax)
+            if drew:
+                _stages(run, ax)
+                ax.set_xlabel("step")
+                ax.grid(alpha=0.3)
+            else:
+                ax.set_axis_off()
+                ax.text(
+                    0.5, 0.5, "no data yet", ha="center", va="center", color="0.5", transform=ax.transAxes
+                )
+            fig.tight_layout()
+            buf = io.StringIO()
+            fig.savefig(buf, format="svg")
+            plt.close(fig)
+        svg = buf.getvalue()
+        out[plot_id] = svg[svg.index("<svg") :]
+    return out
