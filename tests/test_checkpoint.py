@@ -63,6 +63,7 @@ def test_rotation_and_uncommitted_dirs(tmp_path):
     ck = Checkpointer(CheckpointConfig(keep_checkpoint_max=2, resume="auto"), tmp_path)
     for s in (1, 2, 3):
         ck.save(s, m, opt, {"step": s})
+    ck.wait()  # rotated-out checkpoints are uncommitted at once and deleted in the background
     names = sorted(p.name for p in ck.dir.iterdir())
     assert names == ["step_00000002", "step_00000003"]
     # a crashed save (tmp dir, or a dir without marker) is never picked up
@@ -165,6 +166,7 @@ def test_exception_during_save_keeps_previous(tmp_path):
     assert Checkpointer(ck.cfg, tmp_path).resume_path().name == "step_00000003"
     ck.fault_hook = None
     ck.save(5, m, opt, {"step": 5})  # the next commit clears the crashed save's directory
+    ck.wait()
     assert sorted(p.name for p in ck.dir.iterdir()) == ["step_00000002", "step_00000003", "step_00000005"]
     assert not list(ck.dir.glob("*.tmp")) and not list(ck.dir.glob("*.trash"))
 
@@ -254,6 +256,7 @@ def test_rotation_keeps_newest_and_wall_clock_saves(tmp_path):
     ck = Checkpointer(cfg, tmp_path)
     for s in (1, 2):
         ck.save(s, m, opt, {"step": s})
+    ck.wait()
     assert [p.name for p in ck.dir.iterdir()] == ["step_00000002"]  # keep 0 still keeps the newest
     assert ck.should_save(10) and not ck.should_save(11)
     cfg.save_minutes = 0.01  # 0.6 s; the lead adds this field to CheckpointConfig
@@ -264,3 +267,83 @@ def test_rotation_keeps_newest_and_wall_clock_saves(tmp_path):
     timed.save(11, m, opt, {"step": 11})
     assert not timed.should_save(12)
     assert timed.latest().name == "step_00000011"
+
+
+# ----------------------------------------------------------------------------- issue 5: checksums while writing
+import hashlib  # noqa: E402
+
+import llmtrain.train.checkpoint as ckpt_mod  # noqa: E402
+
+
+def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
+    """Data files are hashed on their way to the disk, never re-read; the digests equal SHA-256 of the files."""
+    m, opt = make(0)
+    train_a_bit(m, opt)
+    reread = []
+    real = ckpt_mod._hash_files
+    monkeypatch.setattr(
+        ckpt_mod, "_hash_files", lambda paths, threads: reread.extend(paths) or real(paths, threads)
+    )
+    path = Checkpointer(CheckpointConfig(write_threads=2), tmp_path).save(1, m, opt, {"step": 1})
+    files = json.loads((path / CHECKSUMS).read_text())["files"]
+    data = sorted(n for n in files if n.endswith(".distcp"))
+    assert len(data) == 2  # one file per writer thread
+    assert sorted(p.name for p in reread) == sorted(n for n in files if not n.endswith(".distcp"))
+    for name, want in files.items():
+        blob = (path / name).read_bytes()
+        assert want == {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    assert sorted(files) == sorted(p.name for p in path.iterdir() if p.name not in (MARKER, CHECKSUMS))
+    assert not list(path.glob("*sha256.json"))  # the per-rank sidecars were merged and removed
+    m2, opt2 = make(3)
+    assert Checkpointer(CheckpointConfig(), tmp_path).load(path, m2, opt2) == {"step": 1}
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
+def test_sidecar_digest_used_only_when_size_matches(tmp_path):
+    (tmp_path / "__0_0.distcp").write_bytes(b"abc")
+    (tmp_path / "__1_0.distcp").write_bytes(b"abcd")  # changed after it was hashed: size differs
+    (tmp_path / ".metadata").write_bytes(b"m")
+    claimed = {"__0_0.distcp": {"bytes": 3, "sha256": "a" * 64}}
+    (tmp_path / "__0_sha256.json").write_text(json.dumps(claimed))
+    (tmp_path / "__1_sha256.json").write_text(json.dumps({"__1_0.distcp": {"bytes": 3, "sha256": "b" * 64}}))
+    files = ckpt_mod.write_checksums(tmp_path)["files"]
+    assert files["__0_0.distcp"] == {"bytes": 3, "sha256": "a" * 64}  # trusted: computed while writing
+    assert files["__1_0.distcp"] == {"bytes": 4, "sha256": hashlib.sha256(b"abcd").hexdigest()}  # re-read
+    assert files[".metadata"]["sha256"] == hashlib.sha256(b"m").hexdigest()
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not list(tmp_path.glob("*sha256.json"))
+
+
+def test_hashing_stream_digest_and_seek(tmp_path):
+    fs = ckpt_mod._HashingFileSystem()
+    chunks = [
+        b"x" * 5,
+        bytearray(b"y" * (3 << 20)),
+        memoryview(torch.arange(10, dtype=torch.float32).numpy()),
+    ]
+    with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as f:
+        for c in chunks:
+            f.write(c)
+        assert f.tell() == 5 + (3 << 20) + 40
+    blob = (tmp_path / "__0_0.distcp").read_bytes()
+    assert fs.digests["__0_0.distcp"] == {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    with fs.create_stream(tmp_path / "__0_1.distcp", "wb") as f:
+        f.write(b"abc")
+        f.seek(0)
+        f.write(b"z")
+    assert (tmp_path / "__0_1.distcp").read_bytes() == b"zbc" and "__0_1.distcp" not in fs.digests
+    with fs.create_stream(tmp_path / ".metadata", "wb") as f:  # not a data file: a plain stream
+        f.write(b"meta")
+    assert ".metadata" not in fs.digests
+
+
+def test_rotation_deletes_in_background_but_uncommits_at_once(tmp_path):
+    m, opt = make(0)
+    ck = Checkpointer(CheckpointConfig(keep_checkpoint_max=1), tmp_path)
+    ck.save(1, m, opt, {"step": 1})
+    ck.save(2, m, opt, {"step": 2})
+    assert [p.name for p in ck.committed()] == ["step_00000002"]  # step 1 stopped being a checkpoint at once
+    assert not (ck.dir / "step_00000001").exists()
+    ck.wait()
+    assert sorted(p.name for p in ck.dir.iterdir()) == ["step_00000002"]
+    assert verify_checkpoint(ck.latest()) is None

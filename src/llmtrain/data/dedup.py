@@ -19,8 +19,9 @@ They are *near* duplicates when the Jaccard similarity of their shingle sets is 
 signature for verification (about 1.5 KB per document in all): memory grows with the documents *kept*, which is
 why a corpus too large for one process is split with ``prepare --partition i/N`` and the partitions'
 signatures are joined by ``merge`` (phase 2 of the two-phase scheme in docs/data.md). The signature
-computation (:class:`MinHasher`) is pure and runs in the tokenizer workers; only the index lookups run in the
-main process, in input order, so decisions do not depend on the worker count.
+computation (:class:`MinHasher`) is pure and runs in the tokenizer workers, batched over a chunk of documents
+(``signatures``: one flat shingle array, ``np.minimum.reduceat`` per document); only the index lookups run in
+the main process, in input order, so decisions do not depend on the worker count.
 """
 
 from __future__ import annotations
@@ -99,6 +100,31 @@ class MinHasher:
         """(band keys [B] uint64, 16-bit signature [P] uint16) of a document, as the index consumes them."""
         sig = self.signature_of(self.shingles(text))
         return self.band_keys(sig), (sig & 0xFFFF).astype(np.uint16)
+
+    def signatures(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`signature` of many documents at once: (band keys [N, B] uint64, signatures [N, P] uint16).
+
+        The shingles of all documents are hashed in [S', P] blocks of one flat array and reduced per document
+        with ``np.minimum.reduceat``, so small documents cost no per-document numpy calls beyond shingling."""
+        shingles = [self.shingles(t) for t in texts]  # each non-empty
+        if not shingles:
+            return np.zeros((0, self.cfg.bands), np.uint64), np.zeros((0, self.num_perm), np.uint16)
+        flat = np.concatenate(shingles)  # [S]
+        offsets = np.cumsum([0] + [len(x) for x in shingles[:-1]])  # [N] first shingle of each document
+        sig = np.full((len(texts), self.num_perm), np.iinfo(np.uint64).max, dtype=np.uint64)  # [N, P]
+        for i in range(0, len(flat), _BLOCK):
+            j = min(i + _BLOCK, len(flat))
+            h = (flat[i:j, None] * self._a[None, :] + self._b[None, :]) >> np.uint64(32)  # [S', P]
+            d0 = int(np.searchsorted(offsets, i, side="right")) - 1  # documents with shingles in [i, j)
+            d1 = int(np.searchsorted(offsets, j - 1, side="right"))
+            local = np.maximum(offsets[d0:d1], i) - i  # [d] strictly increasing segment starts
+            np.minimum(sig[d0:d1], np.minimum.reduceat(h, local, axis=0), out=sig[d0:d1])
+        sig = sig.astype(np.uint32)
+        rows = sig.astype(np.uint64).reshape(len(texts), self.cfg.bands, self.cfg.rows)  # [N, B, R]
+        key = np.full((len(texts), self.cfg.bands), 0xCBF29CE484222325, dtype=np.uint64)
+        for r in range(self.cfg.rows):
+            key = (key ^ rows[:, :, r]) * np.uint64(0x100000001B3)
+        return key ^ np.arange(self.cfg.bands, dtype=np.uint64), (sig & 0xFFFF).astype(np.uint16)
 
 
 class DedupIndex:

@@ -19,7 +19,10 @@ Language awareness: a document whose letters are mostly CJK (Han, kana, Hangul) 
 words, so its units are *characters* (whitespace removed) instead of words: the length rule counts characters
 (default 50 to 200,000), the mean-word-length rule does not apply, the alphabetic rule asks 60% of characters to
 be letters, and the repetition n-grams are character n-grams. Repetition statistics are computed with numpy on
-hashed units (a rolling polynomial hash per n), so a 100,000-word document costs milliseconds.
+hashed units (a rolling polynomial hash per n), so a 100,000-word document costs milliseconds. One pass serves
+all n: the n-grams are hashed only at positions whose shorter prefix repeats (an n-gram that occurs twice has
+a repeated prefix), so after n = 2 or 3 little is left to sort. The most frequent n-gram, when several are
+equally frequent, is the one covering the most characters (deterministic and the strictest reading).
 """
 
 from __future__ import annotations
@@ -100,30 +103,76 @@ def _ngram_hashes(ids: np.ndarray, n: int) -> np.ndarray:
     return h
 
 
+def _ngram_stats(ids: np.ndarray, cfg: FilterConfig) -> dict[int, tuple[np.ndarray, ...]]:
+    """Per rule n: (positions [K], count of the n-gram at each [K], and per distinct n-gram in hash order: its
+    count [U] and first position [U]).
+
+    Only n-grams that can repeat are hashed: an n-gram that occurs twice has its m-gram prefix (m < n) occurring
+    twice too, so each n is evaluated at the positions whose previous-n prefix repeated (all positions for the
+    smallest n). Counts > 1 are exact (every occurrence of a repeated n-gram is among the positions); the n-grams
+    left out all occur once, which no rule counts."""
+    stats = {}
+    empty = np.zeros(0, dtype=np.int64)
+    positions, h, done = np.arange(len(ids)), ids, 1  # [K] candidates, [K] hash of their done-gram
+    for n in sorted({*cfg.max_top_ngram_chars, *cfg.max_dup_ngram_chars}):
+        keep = positions <= len(ids) - n
+        positions, h = positions[keep], h[keep]
+        if len(positions) == 0:  # nothing repeats at a shorter n: nothing repeats from here on
+            stats[n] = (empty, empty, empty, empty)
+            continue
+        for k in range(done, n):  # extend the rolling hash to n-grams
+            h = h * _POLY + ids[positions + k]
+        done = n
+        order = np.argsort(h)  # [K] equal hashes adjacent, groups in hash order
+        sorted_h = h[order]
+        new = np.empty(len(h), dtype=bool)
+        new[0] = True
+        np.not_equal(sorted_h[1:], sorted_h[:-1], out=new[1:])
+        starts = new.nonzero()[0]  # [U] group starts
+        counts = np.empty(len(starts), dtype=np.int64)  # [U]
+        counts[:-1] = starts[1:] - starts[:-1]
+        counts[-1] = len(h) - starts[-1]
+        first = np.minimum.reduceat(positions[order], starts)  # [U]
+        count = np.empty(len(h), dtype=np.int64)
+        count[order] = np.repeat(counts, counts)  # [K] count of each position's n-gram
+        stats[n] = (positions, count, counts, first)
+        repeated = count > 1
+        positions, h = positions[repeated], h[repeated]
+    return stats
+
+
 def repetition_reason(units: list[str], cfg: FilterConfig) -> str | None:
     """The Gopher n-gram rules over ``units`` (words, or characters for CJK); the first that fails, or None."""
     if len(units) < 2:
         return None
     ids = np.fromiter(map(hash, units), dtype=np.int64, count=len(units)).view(np.uint64)  # [W]
     lengths = np.fromiter(map(len, units), dtype=np.int64, count=len(units))  # [W]
-    total = float(lengths.sum())
+    cum = np.concatenate([[0], np.cumsum(lengths)])  # [W + 1] characters before each unit
+    total = float(cum[-1])
+    stats = _ngram_stats(ids, cfg)
     for n, limit in sorted(cfg.max_top_ngram_chars.items()):
-        if len(units) < n:
+        _, _, count, first = stats[n]
+        if len(units) < n or len(count) == 0:
             continue
-        _, first, counts = np.unique(_ngram_hashes(ids, n), return_index=True, return_counts=True)
-        top = int(np.argmax(counts))
-        if counts[top] > 1:
-            chars = float(lengths[first[top] : first[top] + n].sum()) * int(counts[top])
+        most = int(count.max())
+        if most > 1:  # the most frequent n-gram; among equally frequent ones, the longest (deterministic)
+            top = first[count == most]
+            chars = float((cum[top + n] - cum[top]).max()) * most
             if chars / total > limit:
                 return f"top_ngram_{n}"
     for n, limit in sorted(cfg.max_dup_ngram_chars.items()):
+        positions, count, _, _ = stats[n]
         if len(units) < n:
             continue
-        h = _ngram_hashes(ids, n)
-        _, inverse, counts = np.unique(h, return_inverse=True, return_counts=True)
-        dup_start = (counts[inverse] > 1).astype(np.int64)  # [W - n + 1]
-        covered = np.convolve(dup_start, np.ones(n, dtype=np.int64))[: len(units)] > 0  # [W]
-        if float(lengths[covered].sum()) / total > limit:
+        starts = positions[count > 1]  # [K'] starts of n-grams that occur more than once
+        chars = 0.0
+        if len(starts):
+            edges = np.zeros(len(units) + 1, dtype=np.int64)
+            edges[starts] += 1
+            edges[starts + n] -= 1
+            covered = np.cumsum(edges[:-1]) > 0  # [W] units inside a repeated n-gram
+            chars = float(lengths[covered].sum())
+        if chars / total > limit:
             return f"dup_ngram_{n}"
     return None
 
@@ -154,7 +203,7 @@ def quality_check(text: str, cfg: FilterConfig) -> tuple[str, str | None]:
         units = list(_SPACE.sub("", text))
         if not cfg.min_chars_cjk <= len(units) <= cfg.max_chars_cjk:
             return text, "too_short" if len(units) < cfg.min_chars_cjk else "too_long"
-        if sum(c.isalpha() for c in units) < cfg.min_alpha_chars_cjk * len(units):
+        if sum(map(str.isalpha, units)) < cfg.min_alpha_chars_cjk * len(units):
             return text, "alpha_ratio"
     else:
         units = text.split()

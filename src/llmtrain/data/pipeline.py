@@ -181,16 +181,12 @@ def process_chunk(
             sigs = np.zeros((len(texts), mh.num_perm), dtype=np.uint16)
     ids = tok.encode_batch(kept_texts) if kept_texts else []
     lengths = np.zeros(len(texts), dtype=np.int64)
-    k = 0
-    for i in range(len(texts)):
-        if status[i] != KEPT:
-            continue
-        lengths[i] = len(ids[k])
-        if digests is not None:
-            digests[i] = exact_digest(kept_texts[k])
-        if bands is not None:
-            bands[i], sigs[i] = mh.signature(kept_texts[k])
-        k += 1
+    kept = np.asarray([i for i in range(len(texts)) if status[i] == KEPT], dtype=np.int64)  # [K]
+    lengths[kept] = [len(x) for x in ids]
+    if digests is not None:
+        digests[kept] = [exact_digest(t) for t in kept_texts]
+    if bands is not None:
+        bands[kept], sigs[kept] = mh.signatures(kept_texts)  # one batched MinHash over the chunk
     total = int(lengths.sum())
     dtype = np.int32 if tok.vocab_size < 2**31 else np.int64
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=total)

@@ -13,7 +13,9 @@ Stages, each switchable (``data.prepare`` in a run config, or the flags; see ``p
 
 Workers receive chunks of documents and return arrays; chunks are consumed in submission order with at most
 ``2 N`` in flight, so the output is byte-identical for any ``--workers`` and memory is bounded (the dedup
-index grows by ~1.5 KB per kept document; bestfit packs buffers of 4M tokens).
+index grows by ~1.5 KB per kept document; bestfit packs buffers of 4M tokens). Threads: each worker process
+runs the tokenizer single-threaded (``TOKENIZERS_PARALLELISM=false``), so ``--workers N`` uses N cores;
+``--workers 1`` tokenizes in-process with the library's own thread pool.
 
 Resumable and atomic: every input file becomes a finished *part* in ``.PREFIX.work/`` (``shards``); a killed
 run rerun with the same arguments skips finished parts (the dedup index is rebuilt from their signatures). The
@@ -33,6 +35,7 @@ import functools
 import itertools
 import json
 import multiprocessing as mp
+import os
 import shutil
 import time
 from collections import deque
@@ -313,6 +316,13 @@ def _chunks(records: Iterable[tuple]) -> Iterator[list[tuple]]:
         yield chunk
 
 
+def _single_threaded() -> None:
+    """Worker initializer: one tokenizer thread per worker process, so ``--workers N`` uses N cores (not N
+    thread pools of all cores each). With ``--workers 1`` the tokenizer runs in-process with its own pool."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+
+
 def _process(opts, tok_path, eos_token, texts):
     return process_chunk(texts, opts, tok_path, eos_token)
 
@@ -343,7 +353,7 @@ def _run_parts(files, tok, eos_token, opts, workers, workdir, max_documents, par
     ordinal, read = [0], 0  # non-blank records seen (partitioning), documents read (max_documents)
     counters: list[dict] = []
     # spawn: the parent may already run tokenizers' thread pool (training), which fork would copy broken.
-    pool = mp.get_context("spawn").Pool(workers) if workers > 1 else None
+    pool = mp.get_context("spawn").Pool(workers, initializer=_single_threaded) if workers > 1 else None
     try:
         for k, path in enumerate(files):
             done = part_done(workdir, k)

@@ -25,7 +25,11 @@ stopped, so no sample is repeated or skipped across a change. The schedule is da
 same schedule reproduces the same order; ``mixture(upto)`` is what a checkpoint records and checks.
 
 Window reads are vectorised over the memory map: a window inside one document is a slice; a window spanning
-documents is one fancy-index gather built with ``np.repeat``, no per-token Python.
+documents is one fancy-index gather built with ``np.repeat``, no per-token Python. The loader's batched path
+reads a whole step at once: ``BlendedSamples.samples(gs)`` locates all global indices with one lookup in the
+blend blocks, and ``TokenWindows.samples(ks)`` cuts every window of the step into its document pieces and
+gathers all of them with one fancy index per shard (row ``n`` equals ``sample(ks[n])``, which stays the
+per-sample reference).
 """
 
 from __future__ import annotations
@@ -178,6 +182,52 @@ class TokenWindows:
         epoch, j = divmod(int(k), self._num_windows)
         return self.window(int(self._layout(epoch).window_order[j]), epoch)
 
+    def samples(self, ks: np.ndarray) -> np.ndarray:
+        """Samples ``ks`` [N] at once: int64 [N, T+1], row ``n`` equal to ``sample(ks[n])``."""
+        ks = np.asarray(ks, dtype=np.int64)
+        if self._num_windows == 0:
+            self.sample(0)  # raises the DataError that explains it
+        epochs, js = np.divmod(ks, self._num_windows)
+        if len(ks) and epochs.min() == epochs.max():  # one epoch (the usual case): no extra copy
+            return self._rows(js, int(epochs[0]))
+        out = np.empty((len(ks), self.seq_length + 1), dtype=np.int64)
+        for epoch in np.unique(epochs):
+            rows = np.flatnonzero(epochs == epoch)
+            out[rows] = self._rows(js[rows], int(epoch))
+        return out
+
+    def samples_tokens(self, ks: np.ndarray) -> np.ndarray:
+        """Input tokens (not padding) of samples ``ks`` [N]: int64 [N], like ``sample_tokens``."""
+        return np.full(len(ks), self.seq_length, dtype=np.int64)
+
+    def _rows(self, js: np.ndarray, epoch: int) -> np.ndarray:
+        """Windows at positions ``js`` [N] of ``epoch``'s window order, [N, T+1], in one gather.
+
+        Each window is cut into its document pieces (``j0..j1`` per row, all rows' pieces in one flat array
+        [P]); every token's offset from stream to ``.bin`` position is its piece's, spread with ``np.repeat``."""
+        lay = self._layout(epoch)
+        T1 = self.seq_length + 1
+        first = lay.window_order[js].astype(np.int64) * self.seq_length  # [N] first stream position
+        j0 = np.searchsorted(lay.stream_end, first, side="right")  # [N] document of the first token
+        j1 = np.searchsorted(lay.stream_end, first + self.seq_length, side="right")  # [N] ... of the last
+        n_pieces = j1 - j0 + 1  # [N]
+        row = np.repeat(np.arange(len(js)), n_pieces)  # [P]
+        doc = np.arange(len(row)) - np.repeat(np.cumsum(n_pieces) - n_pieces - j0, n_pieces)  # [P]
+        lo = np.maximum(lay.stream_start[doc], first[row])  # [P]
+        piece_len = np.minimum(lay.stream_end[doc], first[row] + T1) - lo  # [P], sums to T+1 per row
+        pos = np.repeat(lay.bin_start[doc] - lay.stream_start[doc], piece_len)  # [N*(T+1)] stream -> .bin
+        grid = pos.reshape(len(js), T1)  # a view: add the stream positions in place
+        grid += first[:, None]
+        grid += np.arange(T1)
+        if len(self.shards) == 1:
+            return self.shards[0].tokens[pos].astype(np.int64).reshape(len(js), T1)
+        shard = np.repeat(lay.shard[doc], piece_len)  # [N*(T+1)]
+        out = np.empty(len(pos), dtype=np.int64)
+        for s in np.unique(shard):
+            m = shard == s
+            out[m] = self.shards[int(s)].tokens[pos[m]]
+        return out.reshape(len(js), T1)
+
 
 class BinSamples(TokenWindows):
     """Samples of a ``bestfit`` dataset: each stored sequence is one bin, padded with -1 to ``seq_length + 1``."""
@@ -210,6 +260,28 @@ class BinSamples(TokenWindows):
     def sample_tokens(self, k: int) -> int:
         epoch, j = divmod(int(k), self._num_windows)
         return min(int(self._lengths[int(self._order(epoch)[j])]), self.seq_length)
+
+    def samples_tokens(self, ks: np.ndarray) -> np.ndarray:
+        ks = np.asarray(ks, dtype=np.int64)
+        out = np.empty(len(ks), dtype=np.int64)
+        epochs, js = np.divmod(ks, max(self._num_windows, 1))
+        for epoch in np.unique(epochs):
+            rows = np.flatnonzero(epochs == epoch)
+            out[rows] = np.minimum(self._lengths[self._order(int(epoch))[js[rows]]], self.seq_length)
+        return out
+
+    def _rows(self, js: np.ndarray, epoch: int) -> np.ndarray:
+        """Bins at positions ``js`` [N] of ``epoch``'s order, padded with -1: [N, T+1]."""
+        ids = self._order(epoch)[js]  # [N]
+        steps = np.arange(self.seq_length + 1)  # [T+1]
+        keep = steps < np.minimum(self._lengths[ids], self.seq_length + 1)[:, None]  # [N, T+1]
+        pos = self._bin_start[ids][:, None] + steps  # [N, T+1]
+        out = np.full(keep.shape, self.PAD, dtype=np.int64)
+        shard = self._shard[ids]  # [N]
+        for s in np.unique(shard):
+            m = keep & (shard == s)[:, None]
+            out[m] = self.shards[int(s)].tokens[pos[m]]
+        return out
 
 
 def _normalise(weights: list[float], where: str) -> list[float]:
@@ -292,6 +364,35 @@ class BlendedSamples:
             self._blocks.append(self._next_block())
         source, index = self._blocks[block]
         return int(source[offset]), int(index[offset])
+
+    def locate_many(self, gs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`locate` of global samples ``gs`` [N] at once: (source [N], source sample index [N])."""
+        gs = np.asarray(gs, dtype=np.int64)
+        if len(gs) == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        self.locate(int(gs.max()))  # checks, and materialises the blocks up to the last sample
+        if int(gs.min()) < 0:
+            raise IndexError(f"sample index must be non-negative, got {int(gs.min())}")
+        if len(self.sources) == 1:
+            return np.zeros(len(gs), np.int64), gs + self.offsets[0]
+        blocks, offset = np.divmod(gs, BLEND_BLOCK)
+        source, index = np.empty(len(gs), np.int64), np.empty(len(gs), np.int64)
+        for b in np.unique(blocks):
+            m = blocks == b
+            source[m] = self._blocks[int(b)][0][offset[m]]
+            index[m] = self._blocks[int(b)][1][offset[m]]
+        return source, index
+
+    def samples(self, gs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global samples ``gs`` [N] at once: (source [N], int64 tokens [N, T+1]), row by row as :meth:`sample`."""
+        source, index = self.locate_many(gs)
+        if len(self.sources) == 1:
+            return source, self.sources[0].samples(index)
+        tokens = np.empty((len(source), self.sources[0].seq_length + 1), dtype=np.int64)
+        for d in np.unique(source):
+            rows = np.flatnonzero(source == d)
+            tokens[rows] = self.sources[int(d)].samples(index[rows])
+        return source, tokens
 
     def source_counts(self, upto: int) -> list[int]:
         """Samples drawn from each source by global samples ``[0, upto)``, offsets included."""

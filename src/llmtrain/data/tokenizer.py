@@ -120,7 +120,9 @@ def _load_hf(path: str, eos_token: str | None) -> Tokenizer:
             f"tokenizer.json saved by the `tokenizers` library."
         ) from None
     backend.encode_special_tokens = True  # literal special-token strings in documents stay plain text
-    vocab = backend.get_vocab(with_added_tokens=True)
+    # only the candidate tokens are looked up: the full vocabulary dict costs ~0.3 s on a 128K vocabulary
+    names = {*EOS_CANDIDATES, *BOS_CANDIDATES, *([eos_token] if eos_token is not None else [])}
+    vocab = {s: i for s in names if (i := backend.token_to_id(s)) is not None}
     eos_id = _pick_id(vocab, eos_token, EOS_CANDIDATES, path)
     bos_id = next((vocab[s] for s in BOS_CANDIDATES if s in vocab), None)
     return Tokenizer(backend, "hf", path, eos_id, bos_id, backend.get_vocab_size(with_added_tokens=True))

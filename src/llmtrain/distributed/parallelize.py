@@ -60,21 +60,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     args = model.args
-    if args.position_embedding == "alibi":
-        raise ConfigError(
-            "parallel.tensor_parallel > 1 with ALiBi (baichuan2 13b) is not supported yet; use tp 1."
-        )
-    if args.tie_word_embeddings:
-        raise ConfigError(
-            "parallel.tensor_parallel > 1 with tied input/output embeddings is not supported yet; set "
-            "model.tie_word_embeddings: false or use tp 1."
-        )
     plans = TP_PLANS[args.family]
     # A pipeline stage lacks the embedding or the head (None): plan only the modules it has.
     top = {k: v for k, v in plans.top_plan(args).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plans.block_plan(args))
+    if args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # Each style distributed its own copy of the shared [vocab, dim] weight, both Shard(0) over the
+        # vocabulary: share the embedding's DTensor again (gradients of both uses then add up in it).
+        emb, out = model.tok_embeddings.weight, model.output.weight
+        if emb.placements != out.placements:
+            raise ConfigError(
+                f"model.tie_word_embeddings with tensor_parallel: the {args.family} TP plan shards the "
+                f"embedding as {emb.placements} and the output as {out.placements}; tying needs one layout."
+            )
+        model.tie_weights()
 
 
 def apply_recompute(model: nn.Module, mode: str, every: int) -> None:

@@ -100,7 +100,8 @@ def init_from_hf(model: torch.nn.Module, path: str | Path) -> TransformerArgs:
     """Overwrite ``model``'s weights with the HF directory's (strict); returns the directory's arguments.
 
     Works on a plain model and on one already sharded (FSDP2 / DTensor TP): every rank reads the full tensors
-    and ``set_model_state_dict`` keeps its own shards."""
+    and ``set_model_state_dict`` keeps its own shards. A pipeline stage's pruned model takes only the keys it
+    holds (see ``_drop_pruned``); a key missing for the model's own modules is still an error."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     _, args = read_hf_config(path)
@@ -130,9 +131,22 @@ def init_from_hf(model: torch.nn.Module, path: str | Path) -> TransformerArgs:
                 "section to the directory's architecture (or use its config.json values)."
             )
     sd = FAMILIES[args.family].hf.from_hf_state_dict(read_hf_state_dict(path), args)
+    sd = _drop_pruned(model, sd, args)
     opts = StateDictOptions(full_state_dict=True, strict=True)
     set_model_state_dict(model, sd, options=opts)
     return args
+
+
+def _drop_pruned(
+    model: torch.nn.Module, sd: dict[str, torch.Tensor], args: TransformerArgs
+) -> dict[str, torch.Tensor]:
+    """``sd`` without the keys of modules a pipeline stage pruned away (other stages' layers, a missing
+    embedding or head), so the strict load still names what ``model`` itself lacks, and keys no full model has.
+
+    Names are compared without the activation-checkpoint / compile wrapper prefixes."""
+    own = {k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") for k in model.state_dict()}
+    full = set(build_model(args, device="meta").state_dict())  # meta: no memory, whatever the size
+    return {k: v for k, v in sd.items() if k in own or k not in full}
 
 
 # ----------------------------------------------------------------------------- export

@@ -7,6 +7,7 @@ Layout under ``checkpoint.save_dir`` (default ``<run.output_dir>/checkpoints``):
       trainer_state.json        step, schedule position, loss scaler, data-loader state, config hash (rank 0)
       rng_rank{r}.json          RNG states of rank r (python, numpy, torch CPU, accelerator)
       checksums.json            size and SHA-256 of every file above, written after them
+      __{r}_sha256.json         (only until the commit) digests rank r computed while writing its data files
       COMMITTED                 written last; a directory without it is not a checkpoint
     step_00000200.tmp/        a save in progress (or one that crashed); never resumed from, removed later
 
@@ -15,6 +16,11 @@ each fsynced, the directory fsynced, then ``step_N.tmp`` is renamed to ``step_N`
 at any point leaves either the previous checkpoints untouched or a ``.tmp`` directory that is ignored. Deleting
 (rotation) removes the marker first and renames to ``.trash`` before ``rmtree``, so a checkpoint is never
 half-deleted: it is either whole and committed or not a checkpoint at all.
+
+Write path: ``ChecksummingWriter`` hashes each ``.distcp`` file while writing it and starts its write-back every
+32 MiB, so the commit reads back only the small files (the data is never re-read) and the final fsync has little
+left to wait for. Rotation uncommits and renames at once; the bytes are deleted by a background thread that
+``wait()`` (and the next commit) joins.
 
 ``resume: auto`` walks committed checkpoints newest first and takes the first whose checksums verify; every
 skipped one is reported with its reason (``select_resume``), so the trainer can log an event. An explicit
@@ -57,6 +63,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -71,6 +78,7 @@ from llmtrain.errors import CheckpointError
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMMITTED"
 CHECKSUMS = "checksums.json"
+SIDECAR_SUFFIX = "sha256.json"  # __{rank}_sha256.json: digests computed while writing
 
 
 # ----------------------------------------------------------------------------- safe loading of DCP metadata
@@ -124,6 +132,107 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ----------------------------------------------------------------------------- SHA-256 while writing
+class _HashingStream(io.RawIOBase):
+    """A binary file opened for writing that feeds every byte it writes to SHA-256 on the way to the disk.
+
+    DCP writes a ``.distcp`` file front to back (``write``/``tell``/``fileno``/``flush`` only), so the digest is
+    the file's. A ``seek`` or ``truncate`` would break that, so it marks the digest unusable (the commit then
+    re-reads the file). ``hashlib`` and the unbuffered write both release the GIL on large buffers, so DCP's
+    writer threads hash and write in parallel.
+
+    Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the range just written to the disk
+    (``posix_fadvise(DONTNEED)`` starts write-back of dirty pages and waits for nothing), so the disk works
+    while the next bytes are serialized and hashed, and the final fsync has little left to wait for."""
+
+    WRITEBACK_BYTES = 32 << 20
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+        self.linear = True
+        self._flushed = 0  # bytes [0, _flushed) have been handed to write-back
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self.sha.update(view)
+        done = 0
+        while done < len(view):  # a raw write may be short
+            done += self._f.write(view[done:])
+        self.nbytes += done
+        if self.nbytes - self._flushed >= self.WRITEBACK_BYTES and self.linear:
+            try:  # only a hint: without it (other OS, file systems that refuse it) the final fsync does it all
+                os.posix_fadvise(
+                    self._f.fileno(), self._flushed, self.nbytes - self._flushed, os.POSIX_FADV_DONTNEED
+                )
+            except (AttributeError, OSError):
+                pass
+            self._flushed = self.nbytes
+        return done
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.linear = False
+        return self._f.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        self.linear = False
+        return self._f.truncate(size)
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, except that ``.distcp`` data files are hashed as they are written."""
+
+    def __init__(self) -> None:
+        self.digests: dict[str, dict] = {}  # file name -> {"bytes", "sha256"}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):  # noqa: ANN201
+        path = Path(path)
+        if "w" not in mode or not path.name.endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with _HashingStream(path) as stream:
+            yield stream
+            if stream.linear:
+                with self._lock:
+                    self.digests[path.name] = {"bytes": stream.nbytes, "sha256": stream.sha.hexdigest()}
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """FileSystemWriter that hashes its data files while writing them (no second read for the checksums).
+
+    After this rank's files are written (and fsynced) it leaves their digests in ``__{r}_sha256.json`` next to
+    them, before DCP gathers the write results, so rank 0 finds every rank's sidecar when it commits."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:  # noqa: ANN401
+        future = super().write_data(plan, planner)
+        future.wait()  # the file system writer is synchronous; surface its errors here
+        _write_json(Path(self.path) / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}", dict(self.fs.digests))
+        return future
 
 
 # ----------------------------------------------------------------------------- RNG states as JSON
@@ -212,12 +321,38 @@ def _hash_files(paths: list[Path], threads: int) -> list[str]:
         return list(pool.map(sha256_file, paths))
 
 
+def _read_sidecars(ckpt_dir: Path) -> tuple[dict[str, dict], list[Path]]:
+    """Digests the writers computed while writing (``__{r}_sha256.json`` of every rank), and those files."""
+    known: dict[str, dict] = {}
+    sidecars = sorted(ckpt_dir.glob(f"__*_{SIDECAR_SUFFIX}"))
+    for path in sidecars:
+        try:
+            known.update(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass  # unreadable: those files are hashed from disk instead
+    return known, sidecars
+
+
 def write_checksums(ckpt_dir: Path, threads: int = 2) -> dict:
-    """Hash every file of ``ckpt_dir`` (except the marker and this file) into ``checksums.json``."""
-    paths = [p for p in sorted(ckpt_dir.iterdir()) if p.is_file() and p.name not in (MARKER, CHECKSUMS)]
-    digests = _hash_files(paths, threads)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}
-    record = {"algorithm": "sha256", "files": files}
+    """Record size and SHA-256 of every file of ``ckpt_dir`` (except the marker and this file) in
+    ``checksums.json``. Data files whose digest was computed while writing (and whose size on disk matches
+    the bytes hashed) are not read again; every other file is hashed from disk. The sidecars are removed."""
+    known, sidecars = _read_sidecars(ckpt_dir)
+    skip = {MARKER, CHECKSUMS, *(p.name for p in sidecars)}
+    paths = [p for p in sorted(ckpt_dir.iterdir()) if p.is_file() and p.name not in skip]
+    files: dict[str, dict] = {}
+    todo = []
+    for p in paths:
+        size, got = p.stat().st_size, known.get(p.name)
+        if isinstance(got, dict) and got.get("bytes") == size and isinstance(got.get("sha256"), str):
+            files[p.name] = {"bytes": size, "sha256": got["sha256"]}
+        else:
+            todo.append(p)
+    for p, d in zip(todo, _hash_files(todo, threads)):
+        files[p.name] = {"bytes": p.stat().st_size, "sha256": d}
+    record = {"algorithm": "sha256", "files": {name: files[name] for name in sorted(files)}}
+    for p in sidecars:
+        p.unlink()
     _write_json(ckpt_dir / CHECKSUMS, record)
     return record
 
@@ -248,31 +383,61 @@ def verify_checkpoint(ckpt_dir: str | Path, threads: int = 2) -> str | None:
     return None
 
 
-def _delete(ckpt_dir: Path) -> None:
-    """Uncommit, move out of the step_N namespace, then delete: never a half-deleted checkpoint."""
+def _retire(ckpt_dir: Path) -> Path:
+    """Uncommit and move out of the step_N namespace (never a half-deleted checkpoint); the caller deletes the
+    returned ``.trash`` directory, possibly in the background."""
     (ckpt_dir / MARKER).unlink(missing_ok=True)
     _fsync_dir(ckpt_dir)
     trash = ckpt_dir.with_name(ckpt_dir.name + ".trash")
     if trash.exists():
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(ckpt_dir, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    return trash
 
 
-def _stage_to_cpu(obj: Any, cache: dict[str, torch.Tensor], prefix: str = "") -> Any:
-    """A CPU copy of a (nested) state dict, so training can overwrite the originals during the write. Buffers
-    are kept in ``cache`` and reused by the next save (fresh allocations cost page faults, often more than the
-    copy itself); the caller makes sure the previous write finished first."""
+def _delete(ckpt_dir: Path) -> None:
+    shutil.rmtree(_retire(ckpt_dir), ignore_errors=True)
+
+
+def _rmtree_all(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _staging_buffers(
+    obj: Any,
+    cache: dict[str, torch.Tensor],
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+    prefix: str = "",
+) -> Any:
+    """``obj`` with every tensor replaced by its (reused) CPU buffer; the copies to make go into ``copies``."""
     if isinstance(obj, torch.Tensor):
         buf = cache.get(prefix)
         if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
             buf = cache[prefix] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
-        return buf.copy_(obj.detach())
+        copies.append((buf, obj.detach()))
+        return buf
     if isinstance(obj, dict):
-        return {k: _stage_to_cpu(v, cache, f"{prefix}/{k}") for k, v in obj.items()}
+        return {k: _staging_buffers(v, cache, copies, f"{prefix}/{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_stage_to_cpu(v, cache, f"{prefix}/{i}") for i, v in enumerate(obj))
+        return type(obj)(_staging_buffers(v, cache, copies, f"{prefix}/{i}") for i, v in enumerate(obj))
     return obj
+
+
+def _stage_to_cpu(obj: Any, cache: dict[str, torch.Tensor], threads: int = 1) -> Any:
+    """A CPU copy of a (nested) state dict, so training can overwrite the originals during the write. Buffers
+    are kept in ``cache`` and reused by the next save (fresh allocations cost page faults, often more than the
+    copy itself); the caller makes sure the previous write finished first. ``copy_`` releases the GIL, so
+    ``threads`` threads copy different tensors at once (the training loop is blocked for this copy)."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    staged = _staging_buffers(obj, cache, copies)
+    if threads <= 1 or len(copies) <= 1:
+        for dst, src in copies:
+            dst.copy_(src)
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(lambda pair: pair[0].copy_(pair[1]), copies))
+    return staged
 
 
 # ----------------------------------------------------------------------------- resume choice and pending saves
@@ -317,9 +482,10 @@ class Checkpointer:
         self._last_save_time = time.time()
         self.threads = max(int(getattr(cfg, "write_threads", 2) or 1), 1)
         self._staging: dict[str, torch.Tensor] = {}
+        self._purger: threading.Thread | None = None  # deletes rotated-out checkpoints in the background
 
     def _writer(self, tmp: Path) -> FileSystemWriter:
-        return FileSystemWriter(str(tmp), thread_count=self.threads, sync_files=True)
+        return ChecksummingWriter(str(tmp), thread_count=self.threads, sync_files=True)
 
     # ---- discovery
     def committed(self) -> list[Path]:
@@ -444,7 +610,7 @@ class Checkpointer:
             def write() -> None:
                 future.result()
         else:
-            staged = _stage_to_cpu(state, self._staging)
+            staged = _stage_to_cpu(state, self._staging, self.threads)
 
             def write() -> None:
                 with _quiet_single_process():
@@ -472,14 +638,21 @@ class Checkpointer:
         """Non-blocking: the path committed by a finished async save (once), else None."""
         if self._pending is None or self._pending.thread.is_alive():
             return None
-        return self.wait()
+        return self._finish(join_purge=False)  # a deletion still running is no reason to block training
 
     def wait(self) -> Path | None:
-        """Block until the async save in flight (if any) is committed on every rank; its path, or None."""
+        """Block until the async save in flight (if any) is committed on every rank, and rotated-out checkpoints
+        are deleted; the committed path, or None."""
+        return self._finish(join_purge=True)
+
+    def _finish(self, join_purge: bool) -> Path | None:
         pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.thread.join()  # its commit may start a purge: join that after this
+        if join_purge:
+            self._join_purge()
         if pending is None:
             return None
-        pending.thread.join()
         _barrier(self._group)
         if pending.error is not None:
             raise CheckpointError(
@@ -492,6 +665,7 @@ class Checkpointer:
         """Rank 0, after every rank's files are written: state, checksums, marker, rename, rotate."""
         if self.fault_hook is not None:
             self.fault_hook("written", tmp)
+        self._join_purge()  # one deletion at a time, and none racing a re-save of the same step
         _write_json(tmp / "trainer_state.json", trainer_state)
         write_checksums(tmp, self.threads)
         with open(tmp / MARKER, "w") as f:
@@ -510,15 +684,24 @@ class Checkpointer:
         """Keep the newest ``keep_checkpoint_max`` committed checkpoints and always ``keep_path`` (the one just
         committed, valid by construction); clear stale ``.tmp``/``.trash`` directories of crashed saves."""
         keep = max(int(self.cfg.keep_checkpoint_max), 1)
-        for old in self.committed()[:-keep]:
-            if keep_path is None or old.resolve() != keep_path.resolve():
-                _delete(old)
         in_flight = self._pending.tmp if self._pending is not None else None
+        doomed = []
         for stale in self.dir.glob("step_*.t*"):
             if stale.suffix in (".tmp", ".trash") and stale != in_flight and stale.is_dir():
                 if keep_path is not None and stale.name == keep_path.name + ".tmp":
                     continue
-                shutil.rmtree(stale, ignore_errors=True)
+                doomed.append(stale)
+        for old in self.committed()[:-keep]:
+            if keep_path is None or old.resolve() != keep_path.resolve():
+                doomed.append(_retire(old))  # uncommitted now; the bytes go in the background
+        if doomed:
+            self._purger = threading.Thread(target=_rmtree_all, args=(doomed,), name="ckpt-purge")
+            self._purger.start()
+
+    def _join_purge(self) -> None:
+        if self._purger is not None:
+            self._purger.join()
+            self._purger = None
 
     # ---- load
     def load(

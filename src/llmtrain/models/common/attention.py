@@ -13,7 +13,8 @@ The mask is decided once per forward by :func:`build_attention_mask` and shared 
 The attention never trusts ``args.num_heads`` at run time: it infers the local number of query and key/value
 heads from the projected shapes, so a tensor-parallel plan that shards ``wq/wk/wv`` column-wise (and ``wo``
 row-wise) works unchanged. ALiBi's ``alibi_slopes`` buffer ``[num_heads]`` must then be sharded like the
-heads by that plan. GQA is SDPA's own ``enable_gqa``: query head h reads kv head ``h // (num_heads /
+heads by that plan: it sets ``alibi_heads`` (this rank's ``(start, stop)`` query heads), and the buffer, here
+and whenever :meth:`Attention.reset_buffers` recomputes it, holds only those heads' slopes. GQA is SDPA's own ``enable_gqa``: query head h reads kv head ``h // (num_heads /
 num_kv_heads)`` (the Hugging Face ``repeat_kv`` order) without materialising repeated keys and values.
 """
 
@@ -82,13 +83,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.alibi = args.position_embedding == "alibi"
         self.num_heads_total = args.num_heads
+        self.alibi_heads: tuple[int, int] = (0, args.num_heads)  # query heads held here; a TP plan narrows it
         if self.alibi:
             self.register_buffer("alibi_slopes", alibi_slopes(args.num_heads), persistent=False)
 
     def reset_buffers(self, device: torch.device | None = None) -> None:
-        """Recompute the ALiBi slopes (non-persistent, so garbage after ``to_empty``)."""
+        """Recompute the ALiBi slopes of the held heads (non-persistent, so garbage after ``to_empty``)."""
         if self.alibi:
-            self.alibi_slopes = alibi_slopes(self.num_heads_total, device=device)
+            start, stop = self.alibi_heads
+            self.alibi_slopes = alibi_slopes(self.num_heads_total, device=device)[start:stop]  # [H_local]
 
     def forward(
         self,

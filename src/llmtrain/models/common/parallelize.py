@@ -8,6 +8,11 @@ vocabulary and the output projection column-parallel over the vocabulary, gather
 that stay whole on every TP rank (QK-norm weights) become replicated DTensors through :class:`NoParallel`, so
 the optimizer and gradient clipping see DTensors only (mixing plain tensors and DTensors fails in foreach ops).
 
+Tied input/output embeddings: both styles shard the ``[vocab, dim]`` weight as ``Shard(0)``, so after the plan
+the two modules re-share one DTensor parameter (``distributed/parallelize.apply_tp``); autograd then sums the
+gradients of both uses into it, as on one device. ALiBi: :class:`ShardAlibiHeads` narrows each attention's
+slopes to the heads its rank holds (the ALiBi bias is per head, so no communication is needed).
+
 The plan is the same for every family because every family uses the same module names; a family's
 ``parallelize.py`` may extend it (e.g. GLM and Qwen2 have qkv biases, which the column-wise style shards with
 their weights).
@@ -67,6 +72,36 @@ class NoParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)
 
 
+class ShardAlibiHeads(ParallelStyle):
+    """Give an ALiBi attention the slopes of its own query heads only (no communication, nothing distributed).
+
+    ``ColwiseParallel`` on ``wq`` leaves TP rank ``r`` the contiguous heads ``[r * H/tp, (r + 1) * H/tp)``; this
+    style records that range in ``attention.alibi_heads`` and narrows the ``alibi_slopes`` buffer ``[H]`` to
+    ``[H/tp]``, so ``reset_buffers`` (after ``to_empty``) recomputes the same slice.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        local = module.num_heads_total // tp
+        start, stop = rank * local, (rank + 1) * local
+        module.alibi_heads = (start, stop)
+        module.alibi_slopes = module.alibi_slopes[start:stop]  # [H/tp]; meta before materialisation
+        return module
+
+
+class Chain(ParallelStyle):
+    """Apply several styles to one module, in order (a plan maps each module path to a single style)."""
+
+    def __init__(self, *styles: ParallelStyle) -> None:
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            module = style._apply(module, device_mesh)
+        return module
+
+
 def block_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
     """Plan of one TransformerBlock, relative to the block."""
     plan: dict[str, ParallelStyle] = {
@@ -89,6 +124,8 @@ def block_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
     if args.qk_norm:
         plan["attention.q_norm"] = NoParallel(input_layout=Shard(2))  # [B, T, local heads, head_dim]
         plan["attention.k_norm"] = NoParallel(input_layout=Shard(2))
+    if args.position_embedding == "alibi":  # the slopes follow the heads of wq's column shard
+        plan["attention"] = Chain(plan["attention"], ShardAlibiHeads())
     return plan
 
 
