@@ -18,7 +18,8 @@ from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.moe import MoE, load_balance_loss, update_expert_bias
 from llmtrain.models.qwen import QWEN3
 from llmtrain.train.trainer import Trainer
-from test_parallel import launch  # tests/ is on sys.path under pytest
+from test_parallel import base as parallel_base  # tests/ is on sys.path under pytest
+from test_parallel import launch
 
 STEPS = 5
 
@@ -142,30 +143,10 @@ def test_parameter_counts_and_config():
 
 # ---------------------------------------------------------------- distributed parity (one launch, world 2)
 def base(prefix: str) -> dict:
-    return {
-        "model": {
-            "model_type": "qwen3",
-            "flavor": "debug_moe",
-            "seq_length": 32,
-            "tie_word_embeddings": False,
-            "moe": {"capacity_factor": 1.25},
-        },  # fmt: skip
-        "train": {
-            "batch_size": 8,
-            "micro_batch_size": 2,
-            "max_steps": 20,
-            "lr": 3e-3,
-            "warmup_steps": 2,
-            "grad_clip_norm": 0.05,
-            "seed": 11,
-            "log_steps": 1,
-        },
-        "data": {"datasets": [{"path": prefix, "weight": 1.0}], "valid_fraction": 0.1},
-        "checkpoint": {"save_steps": 0, "save_at_end": False, "resume": "none"},
-        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-        "eval": {"at_start": False},
-        "run": {"device_target": "cpu", "output_dir": "unused", "threads": 1},
-    }
+    """The dense parity base of test_parallel with the MoE flavor (capacity 1.25, so tokens get dropped)."""
+    cfg = parallel_base(prefix, "qwen3")
+    cfg["model"].update({"flavor": "debug_moe", "moe": {"capacity_factor": 1.25}})
+    return cfg
 
 
 def test_expert_parallel_matches_single_process(tiny_corpus, tmp_path):
