@@ -347,3 +347,39 @@ def test_rotation_deletes_in_background_but_uncommits_at_once(tmp_path):
     ck.wait()
     assert sorted(p.name for p in ck.dir.iterdir()) == ["step_00000002"]
     assert verify_checkpoint(ck.latest()) is None
+
+
+def test_async_saves_on_two_ranks_commit_once_each(tiny_corpus, tmp_path):
+    """2 ranks, an async save every step: every rank agrees when a save is done (no rank waits alone in the
+    commit barrier while the other trains on), each step is committed and logged exactly once, and the newest
+    checkpoint verifies."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    out = tmp_path / "run"
+    cfg = {
+        "model": {"model_type": "llama3", "flavor": "debug", "seq_length": 32},
+        "parallel": {"zero_stage": 3},
+        "train": {"batch_size": 8, "micro_batch_size": 2, "max_steps": 6, "log_steps": 1, "eval_steps": 0},
+        "data": {"datasets": [{"path": tiny_corpus, "weight": 1.0}], "valid_fraction": 0.1},
+        "checkpoint": {"save_steps": 1, "keep_checkpoint_max": 2, "async_save": True, "resume": "none"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "eval": {"at_start": False, "eval_iters": 1},
+        "run": {"device_target": "cpu", "output_dir": str(out), "threads": 1, "hang_timeout_s": 120},
+    }
+    path = tmp_path / "async.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "llmtrain", "launch", str(path), "--nproc-per-node", "2"]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [1, 2, 3, 4, 5, 6]
+    assert sorted(d.name for d in (out / "checkpoints").iterdir() if d.name.startswith("step_")) == [
+        "step_00000005",
+        "step_00000006",
+    ]
+    verify_checkpoint(out / "checkpoints" / "step_00000006")

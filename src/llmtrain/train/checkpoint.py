@@ -636,7 +636,21 @@ class Checkpointer:
 
     def poll(self) -> Path | None:
         """Non-blocking: the path committed by a finished async save (once), else None."""
-        if self._pending is None or self._pending.thread.is_alive():
+        if self._pending is None:
+            return None
+        done = not self._pending.thread.is_alive()
+        if _dist() and dist.get_world_size() > 1:
+            # Every rank must agree: a rank that finished alone would wait in _finish's barrier while the
+            # others go on into the next step's collectives (deadlock). MIN over the default group (main
+            # thread only; the saving threads use the checkpoint group).
+            device = None  # the default group's backend: gloo (CPU tensors) or nccl / hccl (device tensors)
+            if self.device_type != "cpu":
+                index = torch.get_device_module(self.device_type).current_device()
+                device = torch.device(self.device_type, index)
+            flag = torch.tensor([int(done)], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = bool(flag.item())
+        if not done:
             return None
         return self._finish(join_purge=False)  # a deletion still running is no reason to block training
 

@@ -399,7 +399,7 @@ class Trainer:
                     stop = preempt.should_stop()
                 if stop:
                     self.save()
-                    self.checkpointer.wait()
+                    self._wait_checkpoint()
                     self.events.write("preempted", step=self.step, signal=str(preempt.received))
                     self.metrics.close()
                     return {"step": self.step, "preempted": True}
@@ -407,9 +407,10 @@ class Trainer:
                 self._stage_summary()
             if not (self.cfg.train.eval_steps and self.step % self.cfg.train.eval_steps == 0):
                 last_val = self._log_validation()
+            self._wait_checkpoint()  # an async save of this very step may still be in flight
             if cfg.checkpoint.save_at_end and self.checkpointer.latest() != self._ckpt_dir(self.step):
                 self.save()
-            self.checkpointer.wait()
+            self._wait_checkpoint()
         finally:
             preempt.uninstall()
             self.profiler.close()
@@ -465,7 +466,7 @@ class Trainer:
 
     def _rollback(self, decision) -> None:  # noqa: ANN001
         """Go back to the newest good state before the spike and skip the data window that caused it."""
-        self.checkpointer.wait()
+        self._wait_checkpoint()
         available = [int(p.name[5:]) for p in self.checkpointer.committed()]
         if self.snapshot.step is not None:
             available.append(self.snapshot.step)
@@ -508,10 +509,17 @@ class Trainer:
             "grad_accum": self.derived.grad_accum,
         }
 
+    def _wait_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight (if any); its commit goes to events.jsonl."""
+        committed = self.checkpointer.wait()
+        if committed is not None:
+            self.events.write("checkpoint", step=int(committed.name[5:]), path=str(committed))
+
     def save(self) -> None:
         """Checkpoint now (in the background with checkpoint.async_save); keep a host copy for rollbacks."""
         state = self.trainer_state()
         if self.cfg.checkpoint.async_save:
+            self._wait_checkpoint()  # one save in flight: the previous one commits first (and is logged)
             self.checkpointer.save_async(self.step, self.model, self.optimizer, state)
         else:
             path = self.checkpointer.save(self.step, self.model, self.optimizer, state)
