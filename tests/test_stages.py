@@ -121,7 +121,8 @@ def test_per_stage_proportions_follow_the_weights(corpora, tmp_path):
         {"name": "s2", "steps": 150, "datasets": [{"path": b, "weight": 0.25}, {"path": c, "weight": 0.75}]},
         {"name": "s3", "steps": 150, "datasets": [{"path": a, "weight": 1}, {"path": c, "weight": 1}]},
     ]
-    cur = Curriculum(config_from_dict(base(corpora, str(tmp_path), stages)))
+    cfg = config_from_dict(base(corpora, str(tmp_path), stages))
+    cur = Curriculum(cfg, resolve_stages(cfg))
     expected = [{a: 0.7, b: 0.3}, {b: 0.25, c: 0.75}, {a: 0.5, c: 0.5}]
     for k, want in enumerate(expected):
         for _ in range(cur.plan.steps):
@@ -151,19 +152,31 @@ def test_resume_mid_stage_restores_the_same_batches(corpora, tmp_path):
         },
     ]
     cfg = config_from_dict(base(corpora, str(tmp_path), stages))
-    first = Curriculum(cfg)
+    first = Curriculum(cfg, resolve_stages(cfg))
     for _ in range(5):
         first.batches.next_step()
     first.advance()
     first.batches.next_step()
     state = json.loads(json.dumps(first.state_dict()))
     want = first.batches.next_step()
-    second = Curriculum(cfg)
+    second = Curriculum(cfg, resolve_stages(cfg))
     second.load_state_dict(state)
     got = second.batches.next_step()
     assert got[0]["input_ids"].shape == (2, 16)
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(got, want))
     assert second.consumed_tokens() == first.consumed_tokens()
+
+
+def test_trainer_follows_the_plan_resolved_from_the_config_as_written(corpora, tmp_path):
+    """A fraction is of the configured train.max_steps; the trainer then runs the plan's total. The plan must
+    not be resolved again from the updated max_steps (0.05 x 7 steps would round to an empty stage)."""
+    from llmtrain.train.trainer import Trainer
+
+    stages = [{"name": "a", "fraction": 0.05}, {"name": "b", "steps": 2}]  # 5 + 2 of max_steps 100
+    t = Trainer(config_from_dict(base(corpora, str(tmp_path), stages)))
+    assert t.cfg.train.max_steps == 7
+    assert [(p.start_step, p.end_step) for p in t.curriculum.plans] == [(0, 5), (5, 7)]
+    t.metrics.close()
 
 
 def run_cli(cfg: dict, path: Path) -> subprocess.CompletedProcess:

@@ -47,18 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg, notes = load_config(args.config, args.overrides)
     world_size, origin = resolve_world_size(cfg, args.world_size)
-    if cfg.stages:  # the stage plan fixes the run's length (as in train)
-        cfg.train.max_steps = resolve_stages(cfg)[1][-1].end_step
+    stages = resolve_stages(cfg) if cfg.stages else None  # from the config as written, as in train
+    if stages is not None:  # the stage plan fixes the run's length
+        cfg.train.max_steps = stages[1][-1].end_step
     derived, warnings = check_config(cfg, world_size, require_data=False)
     print(f"# llmtrain check {args.config}: OK\n# resolved config")
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
     print("\n# derived")
     for label, value in derived_lines(cfg, derived, origin):
         print(f"{label + ':':<18} {value}")
-    if cfg.stages:
+    if stages is not None:
         print("\n# stages")
         head = ["stage", "steps", "tokens", "LR (start -> end, shape)", "mixture"]
-        rows = [head, *stage_table(cfg)]
+        rows = [head, *stage_table(*stages)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])

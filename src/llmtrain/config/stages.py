@@ -201,9 +201,8 @@ def stage_at(plans: list[StagePlan], step: int) -> StagePlan:
     return plans[-1]
 
 
-def stage_table(cfg: Config) -> list[list[str]]:
-    """Rows for ``llmtrain check``: stage, steps, tokens, LR range, mixture."""
-    paths, plans = resolve_stages(cfg)
+def stage_table(paths: list[str], plans: list[StagePlan]) -> list[list[str]]:
+    """Rows for ``llmtrain check`` from :func:`resolve_stages`: stage, steps, tokens, LR range, mixture."""
     rows = []
     for p in plans:
         mix = ", ".join(f"{paths[j]} {w:.0%}" for j, w in enumerate(p.weights) if w > 0)

@@ -21,16 +21,19 @@ import math
 from torch import nn
 
 from llmtrain.config.schema import Config
-from llmtrain.config.stages import StagePlan, resolve_stages
+from llmtrain.config.stages import StagePlan
 from llmtrain.data.loader import BatchIterator, open_source
 from llmtrain.data.samples import BlendedSamples, TokenWindows
 
 
 class Curriculum:
-    """Stages of ``cfg.stages`` for the data-parallel rank ``dp_rank`` of ``dp_size``."""
+    """Stages of ``cfg.stages`` (``stages``: what :func:`resolve_stages` returned for it) for the data-parallel
+    rank ``dp_rank`` of ``dp_size``."""
 
-    def __init__(self, cfg: Config, dp_rank: int = 0, dp_size: int = 1):
-        self.paths, self.plans = resolve_stages(cfg)
+    def __init__(
+        self, cfg: Config, stages: tuple[list[str], list[StagePlan]], dp_rank: int = 0, dp_size: int = 1
+    ):
+        self.paths, self.plans = stages
         self.seed, self.valid_fraction = int(cfg.train.seed), float(cfg.data.valid_fraction)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._sources: dict[int, list[TokenWindows]] = {}  # seq_length -> one source per path
@@ -109,12 +112,12 @@ def _plain(module: nn.Module, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
     return module(*args, **kwargs)
 
 
-def recompute_superset(cfg: Config) -> Config:
+def recompute_superset(cfg: Config, stages: tuple[list[str], list[StagePlan]] | None) -> Config:
     """The config to parallelize with: when some stage recomputes, every block gets a checkpoint wrapper once
     (``recompute.mode: full``) and :func:`set_recompute` switches each wrapper on or off per stage."""
-    if not cfg.stages:
+    if stages is None:
         return cfg
-    settings = {(p.cfg.recompute.mode, p.cfg.recompute.every) for p in resolve_stages(cfg)[1]}
+    settings = {(p.cfg.recompute.mode, p.cfg.recompute.every) for p in stages[1]}
     out = copy.deepcopy(cfg)
     if len(settings) == 1:
         out.recompute.mode, out.recompute.every = settings.pop()

@@ -77,16 +77,17 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
 
         # Data first: the tokenizer fixes the vocabulary when the config leaves it open.
-        if cfg.stages:  # checks the stage list; data.datasets defaults to the first stage's mixture
-            resolve_stages(cfg)
+        # The stage plan, resolved once from the config as written (a fraction is of the configured
+        # train.max_steps, which is then replaced by the plan's total); data.datasets defaults to stage 0's mix.
+        stages = resolve_stages(cfg) if cfg.stages else None
         self.train_samples, self.valid_samples = build_datasets(cfg)
         manifest = read_manifest(cfg.data.datasets[0].path)
         self.eos_id = manifest["tokenizer"]["eos_id"]
         self.derived = derive(cfg, world_size=self.world_size, vocab_size=manifest["tokenizer"]["vocab_size"])
         d = self.derived
         notes = list(notes or [])
-        if cfg.stages:  # the stage plan fixes the run's length
-            total = resolve_stages(cfg)[1][-1].end_step
+        if stages is not None:  # the stage plan fixes the run's length
+            total = stages[1][-1].end_step
             if total != cfg.train.max_steps:
                 notes.append(f"stages: {total} steps in all (train.max_steps was {cfg.train.max_steps}).")
             cfg.train.max_steps = total
@@ -107,7 +108,7 @@ class Trainer:
         self.dp_size = dims.dp
 
         # Model: built on meta, parallelized from outside, materialized on the device, seeded init.
-        layout_cfg = recompute_superset(cfg)  # stages that switch recompute: every block wrapped once
+        layout_cfg = recompute_superset(cfg, stages)  # stages that switch recompute: every block wrapped once
         self.model = build_model(d.model_args, device="meta")
         self.pipeline = (
             None  # pipeline parallel: self.model is this rank's pruned model (distributed/pipeline.py)
@@ -132,7 +133,7 @@ class Trainer:
         self.lr_at = build_lr_schedule(cfg.train)
         self.scaler = LossScaler.from_config(cfg.train)
         self.base_cfg = cfg
-        self.curriculum = Curriculum(cfg, self.dp_rank, self.dp_size) if cfg.stages else None
+        self.curriculum = Curriculum(cfg, stages, self.dp_rank, self.dp_size) if stages else None
         if self.curriculum is not None:
             self.lr_at = StagedLR(
                 self.curriculum.plans, cfg.train.warmup_steps, cfg.train.lr, cfg.train.wsd_decay_fraction
