@@ -156,6 +156,10 @@ def main(args: argparse.Namespace) -> int:
     result = evaluate(margs, layout, cluster, tokens_per_step, fused)
     result.memory_args = margs  # type: ignore[attr-defined]
     total_tokens = cfg.train.max_steps * tokens_per_step
+    if cfg.stages:  # a multi-stage run: its stages' tokens (lengths and batch shapes may differ per stage)
+        from llmtrain.config.stages import resolve_stages
+
+        total_tokens = sum(p.steps * p.tokens_per_step for p in resolve_stages(cfg)[1])
     warnings = collect_warnings(cfg, result, cluster)
     claims = check_claims(args.claim, result, cluster, total_tokens)
     out = plan_dict(result, cluster, total_tokens, warnings)
