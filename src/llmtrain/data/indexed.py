@@ -94,6 +94,21 @@ class IndexedDatasetWriter:
         self._doc_ends.append(len(self._lengths))
         self.num_tokens += int(arr.size)
 
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append many documents at once, one sequence each: ``tokens`` [sum(lengths)] back to back, already
+        in the shard dtype (the bulk path of ``prepare``; same bytes as ``add_document`` per document)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if tokens.dtype != self.dtype or tokens.ndim != 1 or int(lengths.sum()) != tokens.size:
+            raise ValueError(
+                f"add_documents needs 1-D {self.dtype} tokens whose size ({tokens.size}) is the sum of "
+                f"lengths ({int(lengths.sum())}); got dtype {tokens.dtype}"
+            )
+        self._bin.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+        first = len(self._lengths)
+        self._lengths.extend(lengths.tolist())
+        self._doc_ends.extend(range(first + 1, first + len(lengths) + 1))
+        self.num_tokens += int(tokens.size)
+
     @property
     def num_documents(self) -> int:
         return len(self._doc_ends)

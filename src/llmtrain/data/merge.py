@@ -28,7 +28,7 @@ from pathlib import Path
 from llmtrain.data.dedup import DedupIndex
 from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.pipeline import options_from
-from llmtrain.data.shards import iter_part_documents, write_dataset
+from llmtrain.data.shards import iter_part_batches, write_dataset
 from llmtrain.errors import DataError
 
 
@@ -100,7 +100,7 @@ def merge(
 
     def documents():
         for d, summary in zip(dirs, done):
-            yield from iter_part_documents(d, summary["parts"], index, counters)
+            yield from iter_part_batches(d, summary["parts"], index, counters)
 
     report = _merged_report([s["report"] for s in done], counters)
     tok = first["tokenizer"]

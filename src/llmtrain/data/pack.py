@@ -74,6 +74,16 @@ class ConcatPacker:
         self._pos = end
         yield [doc]
 
+    def add_lengths(self, lengths: np.ndarray) -> None:
+        """The accounting of :meth:`add` for many documents at once (the caller writes them as they are)."""
+        ends = self._pos + np.cumsum(lengths, dtype=np.int64)  # [D]
+        starts = ends - lengths
+        first, last = starts // self.seq_length, np.maximum(ends - 2, starts) // self.seq_length
+        self.stats.truncated_documents += int(np.count_nonzero(first != last))
+        self.stats.documents += len(lengths)
+        self.stats.tokens += int(ends[-1] - self._pos) if len(lengths) else 0
+        self._pos = int(ends[-1]) if len(lengths) else self._pos
+
     def flush(self) -> Iterator[Group]:
         self.stats.samples = max((self._pos - 1) // self.seq_length, 0)
         return iter(())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +24,11 @@ import numpy as np
 
 from llmtrain.data.clean import NORMALIZATION_FORMS, clean_text
 from llmtrain.data.dedup import DedupConfig, MinHasher, exact_digest
-from llmtrain.data.filters import FilterConfig, quality_check
+from llmtrain.data.filters import FilterConfig, cjk_flags, quality_check_many
+from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.pack import PACK_MODES
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
-from llmtrain.errors import ConfigError
+from llmtrain.errors import ConfigError, DataError
 
 DEDUP_MODES = ("none", "exact", "near")
 ON_ERROR = ("raise", "skip")
@@ -136,15 +138,25 @@ class ChunkResult:
     """What a worker returns for a chunk of N documents (arrays, to pickle cheaply)."""
 
     status: list[str]  # [N] KEPT or the filter's reject reason
-    lengths: np.ndarray  # [N] int64 tokens of each kept document (0 for rejected), EOS not included
-    tokens: np.ndarray  # [sum(lengths)] int32/int64 token ids, back to back
+    lengths: np.ndarray  # [N] int64 tokens of each kept document including its EOS (0 for rejected)
+    tokens: np.ndarray  # [sum(lengths)] token ids in the shard dtype, back to back, each document + EOS
     digests: np.ndarray | None  # [N] uint64 exact digests (None without dedup)
     bands: np.ndarray | None  # [N, B] uint64 LSH band keys (None without near dedup)
     sigs: np.ndarray | None  # [N, P] uint16 signatures
 
 
+def cached_tokenizer(path: str, eos_token: str | None) -> Tokenizer:
+    """The tokenizer at ``path``, loaded once per process (workers keep it between chunks; forked workers
+    inherit the main process's copy). Keyed by the file's size and modification time: a replaced file reloads."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return load_tokenizer(path, eos_token)  # raises the clear error
+    return _load_cached(path, eos_token, st.st_size, st.st_mtime_ns)
+
+
 @functools.lru_cache(maxsize=2)
-def _tokenizer(path: str, eos_token: str | None) -> Tokenizer:
+def _load_cached(path: str, eos_token: str | None, size: int, mtime_ns: int) -> Tokenizer:
     return load_tokenizer(path, eos_token)
 
 
@@ -157,21 +169,23 @@ def process_chunk(
     texts: list[str], opts: PrepareOptions, tok_path: str, eos_token: str | None, tok: Tokenizer | None = None
 ) -> ChunkResult:
     """Clean, filter, hash and tokenize one chunk of documents (in a worker, or in-process with ``tok``)."""
-    tok = tok or _tokenizer(tok_path, eos_token)
-    status = [KEPT] * len(texts)
-    kept_texts: list[str] = []
-    for i, text in enumerate(texts):
-        if opts.clean:
-            text = clean_text(text, opts.normalization, opts.mojibake)
-        if not text:
-            status[i] = "empty"
-            continue
-        if opts.filter:
-            text, reason = quality_check(text, opts.filters)
+    tok = tok or cached_tokenizer(tok_path, eos_token)
+    if opts.clean:
+        texts = [clean_text(t, opts.normalization, opts.mojibake) for t in texts]
+    status = [KEPT if t else "empty" for t in texts]
+    kept_texts = [t for t in texts if t]
+    cjk = None  # CJK flags of kept_texts, computed once for the filters and MinHash
+    if opts.filter and kept_texts:  # all documents of the chunk at once (filters.quality_check_many)
+        if not opts.filters.c4_lines:
+            cjk = cjk_flags(kept_texts)
+        filtered, reasons = quality_check_many(kept_texts, opts.filters, cjk)
+        where = [i for i, st in enumerate(status) if st == KEPT]
+        for i, reason in zip(where, reasons):
             if reason:
                 status[i] = reason
-                continue
-        kept_texts.append(text)
+        keep = [r is None for r in reasons]
+        kept_texts = [t for t, k in zip(filtered, keep) if k]
+        cjk = None if cjk is None else cjk[np.asarray(keep, dtype=bool)]
     digests = bands = sigs = None
     if opts.dedup != "none":
         digests = np.zeros(len(texts), dtype=np.uint64)
@@ -180,14 +194,21 @@ def process_chunk(
             bands = np.zeros((len(texts), opts.minhash.bands), dtype=np.uint64)
             sigs = np.zeros((len(texts), mh.num_perm), dtype=np.uint16)
     ids = tok.encode_batch(kept_texts) if kept_texts else []
+    for x in ids:
+        x.append(tok.eos_id)  # every document ends with EOS in the shards
     lengths = np.zeros(len(texts), dtype=np.int64)
     kept = np.asarray([i for i in range(len(texts)) if status[i] == KEPT], dtype=np.int64)  # [K]
     lengths[kept] = [len(x) for x in ids]
     if digests is not None:
         digests[kept] = [exact_digest(t) for t in kept_texts]
     if bands is not None:
-        bands[kept], sigs[kept] = mh.signatures(kept_texts)  # one batched MinHash over the chunk
-    total = int(lengths.sum())
-    dtype = np.int32 if tok.vocab_size < 2**31 else np.int64
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=total)
+        bands[kept], sigs[kept] = mh.signatures(kept_texts, cjk)  # one batched MinHash over the chunk
+    dtype = optimal_dtype(tok.vocab_size)
+    try:  # converting to the shard dtype is also the range check (numpy refuses out-of-range ints)
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    except OverflowError as e:
+        raise DataError(
+            f"Tokenizer '{tok_path}' produced a token id that does not fit the shard dtype {dtype} chosen for "
+            f"its vocabulary of {tok.vocab_size} ({e}); the tokenizer's vocabulary size is wrong."
+        ) from e
     return ChunkResult(status, lengths, flat, digests, bands, sigs)

@@ -48,12 +48,12 @@ import yaml
 from llmtrain.data.dedup import DedupIndex
 from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.manifest import manifest_path, read_manifest, tokenizer_copy_name, write_json_atomic
-from llmtrain.data.pipeline import KEPT, PrepareOptions, options_from, process_chunk
+from llmtrain.data.pipeline import KEPT, PrepareOptions, cached_tokenizer, options_from, process_chunk
 from llmtrain.data.readers import READERS, expand_inputs, file_kind, iter_documents
 from llmtrain.data.samples import digest
 from llmtrain.data.shards import (
     PartWriter,
-    iter_part_documents,
+    iter_part_batches,
     load_part_index,
     part_done,
     write_dataset,
@@ -62,7 +62,7 @@ from llmtrain.data.tokenizer import TRAINED_EOS, Tokenizer, load_tokenizer, trai
 from llmtrain.errors import ConfigError, DataError
 
 CHUNK_DOCUMENTS = 256  # documents per worker task
-CHUNK_CHARS = 4 << 20  # ... or fewer when they add up to this many characters
+CHUNK_CHARS = 1 << 18  # ... or fewer when they add up to this many characters (small: even load at the end)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,9 +180,20 @@ def prepare(
         raise DataError(
             "--partition needs --tokenizer: partitions must share one tokenizer, not train their own."
         )
+    pool = _start_pool(workers, tokenizer, eos_token)
+    try:
+        return _prepare(inputs, output, tokenizer, train_tokenizer, workers, eos_token, max_documents, log, opts,
+                        partition, overwrite, pool)  # fmt: skip
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+def _prepare(inputs, output, tokenizer, train_tokenizer, workers, eos_token, max_documents, log, opts, partition,
+             overwrite, pool) -> dict:  # fmt: skip
     start = time.perf_counter()
     files = expand_inputs(list(inputs))
-    given = load_tokenizer(tokenizer, eos_token) if tokenizer is not None else None  # fails before writing
+    given = cached_tokenizer(tokenizer, eos_token) if tokenizer is not None else None  # fails before writing
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     identity = {
@@ -220,7 +231,7 @@ def prepare(
     write_json_atomic(state, {"key": key, "identity": identity})
     try:
         tok = given or _tokenizer(files, train_tokenizer, eos_token, opts, workdir, max_documents, log)
-        counters = _run_parts(files, tok, eos_token, opts, workers, workdir, max_documents, partition)
+        counters = _run_parts(files, tok, eos_token, opts, pool, workdir, max_documents, partition)
         report = _report(counters, opts)
         if report["stages"]["tokenize"]["out"] == 0:
             raise DataError(
@@ -240,7 +251,7 @@ def prepare(
             return summary
         manifest = write_dataset(
             output,
-            iter_part_documents(workdir, len(files)),
+            iter_part_batches(workdir, len(files)),
             optimal_dtype(tok.vocab_size),
             opts.pack,
             opts.seq_length,
@@ -316,11 +327,28 @@ def _chunks(records: Iterable[tuple]) -> Iterator[list[tuple]]:
         yield chunk
 
 
-def _single_threaded() -> None:
+def _start_pool(workers: int, tokenizer: str | None, eos_token: str | None):
+    """The worker pool of ``--workers N`` (None for one worker: it runs in-process), started first so that the
+    workers import the pipeline and load the tokenizer while this process loads its own copy. Spawned, not
+    forked: this process may run tokenizers' thread pool (training) or torch's, which a fork copies broken;
+    forking measured no faster (the workers' start overlaps the main process's own tokenizer load)."""
+    if workers == 1:
+        return None
+    return mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(tokenizer, eos_token))
+
+
+def _worker_init(tokenizer: str | None, eos_token: str | None) -> None:
     """Worker initializer: one tokenizer thread per worker process, so ``--workers N`` uses N cores (not N
-    thread pools of all cores each). With ``--workers 1`` the tokenizer runs in-process with its own pool."""
+    thread pools of all cores each; with ``--workers 1`` the tokenizer runs in-process with its own pool); then
+    load the tokenizer before the first chunk arrives. A tokenizer that fails to load is reported by the main
+    process, which loads it too."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
+    if tokenizer is not None:
+        try:
+            cached_tokenizer(tokenizer, eos_token)
+        except Exception:  # noqa: BLE001 (the main process raises the clear error)
+            pass
 
 
 def _process(opts, tok_path, eos_token, texts):
@@ -345,39 +373,33 @@ def _results(chunks: Iterator[list[tuple]], tok: Tokenizer, eos_token, opts, poo
         yield c, r.get()
 
 
-def _run_parts(files, tok, eos_token, opts, workers, workdir, max_documents, partition) -> list[dict]:
+def _run_parts(files, tok, eos_token, opts, pool, workdir, max_documents, partition) -> list[dict]:
     """Process every input file into a finished part; returns the parts' counters."""
     index = None
     if opts.dedup != "none":
         index = DedupIndex(dataclasses.replace(opts.minhash, near=opts.dedup == "near"))
     ordinal, read = [0], 0  # non-blank records seen (partitioning), documents read (max_documents)
     counters: list[dict] = []
-    # spawn: the parent may already run tokenizers' thread pool (training), which fork would copy broken.
-    pool = mp.get_context("spawn").Pool(workers, initializer=_single_threaded) if workers > 1 else None
-    try:
-        for k, path in enumerate(files):
-            done = part_done(workdir, k)
-            if done is not None:
-                if index is not None:
-                    load_part_index(workdir, k, index)
-                ordinal[0], read = done["ordinal"], done["read_total"]
-                counters.append(done)
-                continue
-            if max_documents is not None and read >= max_documents:
-                c = _empty_counters()
-            else:
-                c = _run_part(k, path, tok, eos_token, opts, pool, workdir, index, ordinal, read, max_documents,
-                              partition)  # fmt: skip
-            read += c["read"]
-            c["ordinal"], c["read_total"] = ordinal[0], read
-            counters.append(c)
-            if c.get("_writer") is not None:
-                c.pop("_writer").commit({k2: v for k2, v in c.items()})
-            else:
-                write_json_atomic(Path(f"{workdir}/part-{k:05d}.json"), c)  # empty part marker
-    finally:
-        if pool is not None:
-            pool.terminate()
+    for k, path in enumerate(files):
+        done = part_done(workdir, k)
+        if done is not None:
+            if index is not None:
+                load_part_index(workdir, k, index)
+            ordinal[0], read = done["ordinal"], done["read_total"]
+            counters.append(done)
+            continue
+        if max_documents is not None and read >= max_documents:
+            c = _empty_counters()
+        else:
+            c = _run_part(k, path, tok, eos_token, opts, pool, workdir, index, ordinal, read, max_documents,
+                          partition)  # fmt: skip
+        read += c["read"]
+        c["ordinal"], c["read_total"] = ordinal[0], read
+        counters.append(c)
+        if c.get("_writer") is not None:
+            c.pop("_writer").commit({k2: v for k2, v in c.items()})
+        else:
+            write_json_atomic(Path(f"{workdir}/part-{k:05d}.json"), c)  # empty part marker
     return counters
 
 
@@ -401,36 +423,35 @@ def _run_part(k, path, tok, eos_token, opts, pool, workdir, index, ordinal, read
     if max_documents is not None:
         records = itertools.islice(records, max_documents - read)
     writer = PartWriter(workdir, k, optimal_dtype(tok.vocab_size), opts.rejects is not None)
-    eos = np.asarray([tok.eos_id], dtype=np.int64)
     try:
         for chunk, res in _results(_chunks(records), tok, eos_token, opts, pool):
-            offsets = np.concatenate([[0], np.cumsum(res.lengths)])
-            for j, (text, fpath, line) in enumerate(chunk):
-                c["read"] += 1
+            kept = np.asarray([r == KEPT for r in res.status], dtype=bool)  # [N] passed clean + filters
+            if index is not None:  # dedup decisions, one document at a time in input order
+                rows = kept.nonzero()[0].tolist()
+                for j, reason in zip(rows, index.check_many(res.digests, res.bands, res.sigs, rows)):
+                    if reason:
+                        res.status[j] = reason
+                        kept[j] = False
+            tokens = res.tokens
+            if not kept.all():  # drop the tokens of documents tokenized but then found duplicates
+                tokens = tokens[np.repeat(kept, res.lengths)]
+            writer.add_many(tokens, res.lengths[kept],
+                            None if res.digests is None else res.digests[kept],
+                            None if res.bands is None else res.bands[kept],
+                            None if res.sigs is None else res.sigs[kept])  # fmt: skip
+            c["read"] += len(chunk)
+            c["kept"] += int(kept.sum())
+            c["tokens"] += int(tokens.size)
+            if kept.all():
+                continue
+            for j in (~kept).nonzero()[0].tolist():
                 reason = res.status[j]
-                if reason == KEPT and index is not None:
-                    reason = (
-                        index.check(
-                            int(res.digests[j]),
-                            None if res.bands is None else res.bands[j],
-                            None if res.sigs is None else res.sigs[j],
-                        )
-                        or KEPT
-                    )
-                if reason != KEPT:
-                    if reason in ("exact_duplicate", "near_duplicate"):
-                        c[reason] += 1
-                    else:
-                        c["rejected"][reason] = c["rejected"].get(reason, 0) + 1
-                    writer.reject(text, reason, fpath, line)
-                    continue
-                ids = res.tokens[offsets[j] : offsets[j + 1]]
-                writer.add(np.concatenate([ids.astype(np.int64), eos]),
-                           None if res.digests is None else res.digests[j],
-                           None if res.bands is None else res.bands[j],
-                           None if res.sigs is None else res.sigs[j])  # fmt: skip
-                c["kept"] += 1
-                c["tokens"] += len(ids) + 1
+                if reason in ("exact_duplicate", "near_duplicate"):
+                    c[reason] += 1
+                else:
+                    c["rejected"][reason] = c["rejected"].get(reason, 0) + 1
+                text, fpath, line = chunk[j]
+                writer.reject(text, reason, fpath, line)
     except BaseException:
         writer.abort()
         raise

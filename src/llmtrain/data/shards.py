@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -54,18 +54,19 @@ class PartWriter:
         self.final = part_prefix(workdir, k)
         self.tmp = workdir / f".tmp-{k:05d}-{os.getpid()}"
         self.writer = IndexedDatasetWriter(str(self.tmp), dtype)
-        self.digests: list[int] = []
-        self.bands: list[np.ndarray] = []
-        self.sigs: list[np.ndarray] = []
+        self.digests: list[np.ndarray] = []  # blocks of [K] uint64
+        self.bands: list[np.ndarray] = []  # blocks of [K, B] uint64
+        self.sigs: list[np.ndarray] = []  # blocks of [K, P] uint16
         self.rejects = open(f"{self.tmp}.rejects.jsonl", "w", encoding="utf-8") if with_rejects else None  # noqa: SIM115
 
-    def add(self, tokens: np.ndarray, digest, bands, sig) -> None:
-        self.writer.add_document(tokens)
-        if digest is not None:
-            self.digests.append(int(digest))
+    def add_many(self, tokens: np.ndarray, lengths: np.ndarray, digests, bands, sigs) -> None:
+        """Documents back to back (``tokens`` in the part dtype, EOS included) and their dedup rows [K, ...]."""
+        self.writer.add_documents(tokens, lengths)
+        if digests is not None:
+            self.digests.append(np.asarray(digests, dtype=np.uint64))
         if bands is not None:
             self.bands.append(bands)
-            self.sigs.append(sig)
+            self.sigs.append(sigs)
 
     def reject(self, text: str, reason: str, path: Path, line: int) -> None:
         if self.rejects is not None:
@@ -76,9 +77,9 @@ class PartWriter:
         self.writer.finalize()
         if self.rejects is not None:
             self.rejects.close()
-        arrays = {"digests": np.asarray(self.digests, dtype=np.uint64)}
+        arrays = {"digests": np.concatenate(self.digests) if self.digests else np.zeros(0, np.uint64)}
         if self.bands:
-            arrays["bands"], arrays["sigs"] = np.stack(self.bands), np.stack(self.sigs)
+            arrays["bands"], arrays["sigs"] = np.concatenate(self.bands), np.concatenate(self.sigs)
         with open(f"{self.tmp}.dedup.npz", "wb") as f:
             np.savez(f, **arrays)
         for suffix in (".bin", ".idx", ".dedup.npz") + ((".rejects.jsonl",) if self.rejects else ()):
@@ -108,31 +109,50 @@ def load_part_index(workdir: Path, k: int, index: DedupIndex) -> None:
         )
 
 
-def iter_part_documents(
-    workdir: Path, parts: int, index: DedupIndex | None = None, counters: dict | None = None
-) -> Iterator[np.ndarray]:
-    """Documents of parts ``0..parts-1`` in order; with ``index``, cross-part duplicates are dropped (merge)."""
+def iter_part_batches(
+    workdir: Path,
+    parts: int,
+    index: DedupIndex | None = None,
+    counters: dict | None = None,
+    batch_tokens: int = 1 << 22,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The documents of parts ``0..parts-1`` in order, as batches ``(tokens, lengths)``: about
+    ``batch_tokens`` tokens back to back and the length of each document [D]. Read with plain file reads (not a
+    memory map, whose touched pages would stay in the process's resident memory), so memory stays bounded by the
+    batch whatever the part size. With ``index``, cross-part duplicates are dropped (merge)."""
     for k in range(parts):
-        if not bin_path(part_prefix(workdir, k)).is_file():
+        prefix = part_prefix(workdir, k)
+        if not bin_path(prefix).is_file():
             continue  # an empty part (--max-documents reached before this file)
-        ds = IndexedDataset(str(part_prefix(workdir, k)))
-        if index is None:
-            for i in range(len(ds)):
-                yield ds[i]
-            continue
-        with np.load(f"{part_prefix(workdir, k)}.dedup.npz") as z:
-            digests = z["digests"]
-            bands, sigs = (z["bands"], z["sigs"]) if "bands" in z else (None, None)
-        for i in range(len(ds)):
-            reason = index.check(
-                int(digests[i]) if len(digests) else None,
-                None if bands is None else bands[i],
-                None if sigs is None else sigs[i],
-            )
-            if reason and counters is not None:
-                counters[f"cross_partition_{reason}"] = counters.get(f"cross_partition_{reason}", 0) + 1
-            if not reason:
-                yield ds[i]
+        ds = IndexedDataset(str(prefix))
+        sizes = ds.sizes.astype(np.int64)  # [D] one sequence per document in a part
+        keep = None if index is None else _cross_part_keep(prefix, index, counters)
+        ends = np.cumsum(sizes)  # [D]
+        with open(bin_path(prefix), "rb") as f:
+            i = 0
+            while i < len(sizes):
+                base = int(ends[i - 1]) if i else 0
+                j = max(int(np.searchsorted(ends, base + batch_tokens, side="right")), i + 1)
+                tokens = np.fromfile(f, dtype=ds.dtype, count=int(ends[j - 1]) - base)
+                lengths = sizes[i:j]
+                if keep is not None and not keep[i:j].all():
+                    tokens = tokens[np.repeat(keep[i:j], lengths)]
+                    lengths = lengths[keep[i:j]]
+                yield tokens, lengths
+                i = j
+
+
+def _cross_part_keep(prefix: Path, index: DedupIndex, counters: dict | None) -> np.ndarray:
+    """[D] bool: the documents of a part that repeat no document of the parts before (recording the kept)."""
+    with np.load(f"{prefix}.dedup.npz") as z:
+        digests = z["digests"]
+        bands, sigs = (z["bands"], z["sigs"]) if "bands" in z else (None, None)
+    reasons = index.check_many(digests if len(digests) else None, bands, sigs)
+    keep = np.asarray([r is None for r in reasons], dtype=bool)
+    if counters is not None:
+        for reason in filter(None, reasons):
+            counters[f"cross_partition_{reason}"] = counters.get(f"cross_partition_{reason}", 0) + 1
+    return keep
 
 
 def shard_prefixes(output: str, num_shards: int) -> list[str]:
@@ -147,7 +167,7 @@ def _tmp(prefix: str) -> str:
 
 def write_dataset(
     output: str,
-    documents: Iterator[np.ndarray],
+    batches: Iterable[tuple[np.ndarray, np.ndarray]],
     dtype: np.dtype,
     pack: str,
     seq_length: int,
@@ -156,7 +176,8 @@ def write_dataset(
     tokenizer_file: Path,
     extra: dict,
 ) -> dict:
-    """Pack ``documents``, write the shards, manifest and report of ``output``; returns the manifest."""
+    """Pack the documents of ``batches`` (``(tokens, lengths)`` as from :func:`iter_part_batches`), write the
+    shards, manifest and report of ``output``; returns the manifest."""
     finals = shard_prefixes(output, num_shards)
     tmps = [_tmp(p) for p in finals]
     writers = [IndexedDatasetWriter(t, dtype) for t in tmps]
@@ -166,10 +187,19 @@ def write_dataset(
         shutil.copyfile(tokenizer_file, tmp_tok)
         packer = make_packer(pack, seq_length)
         n = 0
-        for doc in documents:
-            for group in packer.add(doc):
-                _write_group(writers[n % num_shards], group, pack)
-                n += 1
+        for tokens, lengths in batches:
+            if len(lengths) == 0:
+                continue
+            tokens = tokens.astype(dtype, copy=False)
+            if pack == "concat":  # one sequence per document, dealt round-robin: whole batches at once
+                packer.add_lengths(lengths)
+                _deal(writers, n, tokens, lengths)
+                n += len(lengths)
+                continue
+            for doc in np.split(tokens, np.cumsum(lengths[:-1])):
+                for group in packer.add(doc):
+                    _write_group(writers[n % num_shards], group, pack)
+                    n += 1
         for group in packer.flush():
             _write_group(writers[n % num_shards], group, pack)
             n += 1
@@ -204,6 +234,17 @@ def write_dataset(
             idx_path(t).unlink(missing_ok=True)
         for p in (tmp_manifest, tmp_report, tmp_tok):
             p.unlink(missing_ok=True)
+
+
+def _deal(writers: list[IndexedDatasetWriter], n: int, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    """Documents ``n, n + 1, ...`` (one sequence each) to shard ``document % len(writers)``."""
+    if len(writers) == 1:
+        writers[0].add_documents(tokens, lengths)
+        return
+    shard = ((n + np.arange(len(lengths))) % len(writers)).astype(np.int32)  # [D]
+    token_shard = np.repeat(shard, lengths)  # [T]
+    for s, w in enumerate(writers):
+        w.add_documents(tokens[token_shard == s], lengths[shard == s])
 
 
 def _write_group(writer: IndexedDatasetWriter, group: list[np.ndarray], pack: str) -> None:

@@ -72,9 +72,11 @@ class Tokenizer:
         return self._backend.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """``encode`` of each text (the HF backend parallelises the batch internally)."""
+        """``encode`` of each text (the HF backend parallelises the batch internally). ``encode_batch_fast``
+        (tokenizers >= 0.20) gives the same ids without computing character offsets, ~15% faster."""
         if self.kind == "hf":
-            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+            fast = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            return [e.ids for e in fast(texts, add_special_tokens=False)]
         return self._backend.encode(texts)
 
     def decode(self, ids: list[int]) -> str:
