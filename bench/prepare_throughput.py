@@ -30,6 +30,7 @@ import gzip
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,7 @@ def child(mode: str, src: str, tok: str, workers: int, out: str) -> dict:
             texts = texts[k::n]
             time.sleep(max(float(start_at) - time.time(), 0.0))
         chars = sum(map(len, texts))
+        batches = list(_batches(texts))
     else:  # prepare reads the file itself (and must not hold it all: peak memory is measured)
         chars = sum(len(json.loads(line)["text"]) for line in open(src, encoding="utf-8"))
     cpu0 = _cpu()
@@ -59,8 +61,8 @@ def child(mode: str, src: str, tok: str, workers: int, out: str) -> dict:
         t = Tokenizer.from_file(tok)
         t.encode_special_tokens = True  # as llmtrain loads it: literal special tokens in text stay text
         fast = getattr(t, "encode_batch_fast", t.encode_batch)  # no offsets: same ids, faster
-        for i in range(0, len(texts), 256):
-            _ = [e.ids for e in fast(texts[i : i + 256], add_special_tokens=False)]
+        for batch in batches:
+            _ = [e.ids for e in fast(batch, add_special_tokens=False)]
     elif mode == "loader":
         from llmtrain.config.schema import Config, DatasetSpec
         from llmtrain.data.loader import BatchIterator, build_datasets
@@ -93,6 +95,23 @@ def child(mode: str, src: str, tok: str, workers: int, out: str) -> dict:
         resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
     )
     return {"rate": chars / secs, "secs": secs, "peak_mb": peak / 1024, "cpu": cpu, "cpu_rate": chars / cpu}
+
+
+def _batches(texts: list[str]):
+    """The texts in the batches ``prepare`` sends to the tokenizer (CHUNK_DOCUMENTS documents or CHUNK_CHARS
+    characters), so the raw limit and llmtrain tokenize the same batches."""
+    from llmtrain.data.prepare import CHUNK_CHARS, CHUNK_DOCUMENTS
+
+    batch: list[str] = []
+    chars = 0
+    for t in texts:
+        batch.append(t)
+        chars += len(t)
+        if len(batch) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 def _cpu() -> float:
@@ -155,6 +174,13 @@ def write_input(corpus: Path, max_chars: int, path: Path, fraction: float = 1.0)
     return total
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """Per field the median over the rounds; peak memory the largest."""
+    out = {k: statistics.median(r[k] for r in rows) for k in ("rate", "secs", "cpu", "cpu_rate")}
+    out["peak_mb"] = max(r["peak_mb"] for r in rows)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus", default=str(SHARED / "corpus"))
@@ -162,6 +188,7 @@ def main() -> None:
     p.add_argument(
         "--max-chars", type=int, default=0, help="first N/3 characters of each file (0: the whole corpus)"
     )
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every row, alternating order (median)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         big, small = Path(tmp) / "big.jsonl", Path(tmp) / "small.jsonl"
@@ -171,28 +198,42 @@ def main() -> None:
         print(
             f"input: {chars:,} characters of en, zh, code ({what}; half input {half:,}); cores: {os.cpu_count()}"
         )
-        raw_mt = run("raw", big, a.tokenizer, 1, "", threads=True)
-        rows = [("raw tokenizers encode_batch, 1 thread", run("raw", big, a.tokenizer, 1, ""))]
-        for w in (1, 2):
-            rows.append(
-                (f"tokenize-only, {w} worker(s)", run("tokenize", big, a.tokenizer, w, f"{tmp}/t{w}"))
-            )
-        for w in (1, 2):
-            rows.append((f"full pipeline, {w} worker(s)", run("full", big, a.tokenizer, w, f"{tmp}/f{w}")))
-        rows.append(("full pipeline, 1 worker, half input", run("full", small, a.tokenizer, 1, f"{tmp}/h")))
-        mt = [("raw tokenizers encode_batch, threads", raw_mt),
-              ("tokenize-only, 1 worker, threads", run("tokenize", big, a.tokenizer, 1, f"{tmp}/m", True))]  # fmt: skip
-        raw = rows[0][1]["rate"]
+        specs = [  # (name, mode, input, workers, threads)
+            ("raw tokenizers encode_batch, 1 thread", "raw", big, 1, False),
+            ("tokenize-only, 1 worker(s)", "tokenize", big, 1, False),
+            ("tokenize-only, 2 worker(s)", "tokenize", big, 2, False),
+            ("full pipeline, 1 worker(s)", "full", big, 1, False),
+            ("full pipeline, 2 worker(s)", "full", big, 2, False),
+            ("full pipeline, 1 worker, half input", "full", small, 1, False),
+            ("tokenize-only, 1 worker, half input", "tokenize", small, 1, False),
+            ("raw tokenizers encode_batch, threads", "raw", big, 1, True),
+            ("tokenize-only, 1 worker, threads", "tokenize", big, 1, True),
+        ]
+        results: dict[str, list[dict]] = {name: [] for name, *_ in specs}
+        pairs: list[float] = []
+        for r in range(a.repeats):  # rounds in alternating order: slow drifts of the machine hit every row
+            order = specs if r % 2 == 0 else specs[::-1]
+            for k, (name, mode, src, w, threads) in enumerate(order):
+                out = "" if mode == "raw" else f"{tmp}/o{k}"
+                results[name].append(run(mode, src, a.tokenizer, w, out, threads))
+                for p in Path(tmp).glob(f"o{k}*"):
+                    p.unlink()
+            pairs.append(run_raw_pair(big, a.tokenizer))
+        med = {name: _median_row(rs) for name, rs in results.items()}
+        raw, raw_mt = med[specs[0][0]], med[specs[7][0]]
+        print(f"median of {a.repeats} rounds; peak memory: the largest")
         print(f"{'':38s} {'chars/s':>9s} {'x raw':>6s} {'secs':>6s} {'cpu s':>6s} {'chars/cpu-s':>11s} "
               f"{'x raw':>6s} {'peak MB':>7s}")  # fmt: skip
-        bases = [(row, raw, rows[0][1]) for row in rows] + [(row, raw_mt["rate"], raw_mt) for row in mt]
-        for (name, r), base, ref in bases:
-            print(f"{name:38s} {r['rate']:9,.0f} {r['rate'] / base:6.2f} {r['secs']:6.1f} {r['cpu']:6.1f} "
-                  f"{r['cpu_rate']:11,.0f} {r['cpu_rate'] / ref['cpu_rate']:6.2f} {r['peak_mb']:7.0f}")  # fmt: skip
-        pair = run_raw_pair(big, a.tokenizer)
-        print(f"2 workers / 1 worker: tokenize-only {rows[2][1]['rate'] / rows[1][1]['rate']:.2f}x, "
-              f"full {rows[4][1]['rate'] / rows[3][1]['rate']:.2f}x; ceiling: two raw tokenizer processes "
-              f"on halves / one: {rows[0][1]['secs'] / pair:.2f}x ({pair:.1f} s)")  # fmt: skip
+        for name, *_ in specs:
+            m, ref = med[name], raw_mt if "threads" in name else raw
+            print(f"{name:38s} {m['rate']:9,.0f} {m['rate'] / ref['rate']:6.2f} {m['secs']:6.1f} {m['cpu']:6.1f} "
+                  f"{m['cpu_rate']:11,.0f} {m['cpu_rate'] / ref['cpu_rate']:6.2f} {m['peak_mb']:7.0f}")  # fmt: skip
+        pair = statistics.median(pairs)
+        tok = med["tokenize-only, 2 worker(s)"]["rate"] / med["tokenize-only, 1 worker(s)"]["rate"]
+        full = med["full pipeline, 2 worker(s)"]["rate"] / med["full pipeline, 1 worker(s)"]["rate"]
+        print(f"2 workers / 1 worker: tokenize-only {tok:.2f}x, full {full:.2f}x; ceiling: two raw tokenizer "
+              f"processes on halves / one: {raw['secs'] / pair:.2f}x ({pair:.1f} s)")  # fmt: skip
+        run("tokenize", big, a.tokenizer, 1, f"{tmp}/t1")  # the loader's shards (not timed)
         loader = run("loader", big, a.tokenizer, 1, f"{tmp}/t1")
         print(f"loader (seq 2048, batch 64, micro 8, concat windows): {loader['rate'] / 1e6:.1f}M tokens/s "
               f"mean, {loader['median'] / 1e6:.1f}M median step, per process")  # fmt: skip

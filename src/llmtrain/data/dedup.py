@@ -34,18 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmtrain.data.filters import (
-    _POLY,
-    _SPACE,
-    _SPACE_F,
-    _encode,
-    _ngram_hashes,
-    _parts,
-    _prefix,
-    _words,
-    cjk_flags,
-    is_cjk,
-)
+from llmtrain.data.filters import _POLY, _SPACE, _ngram_hashes, is_cjk
+from llmtrain.data.filters_batch import _SPACE_F, _encode, _parts, _prefix, _words, cjk_flags
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _BLOCK = 4096  # shingles per block of the [S, P] hash matrix
@@ -168,7 +158,7 @@ class MinHasher:
             raise ValueError(f"cjk has shape {cjk.shape}; expected ({n},)")
         bands = np.zeros((n, self.cfg.bands), dtype=np.uint64)
         sigs = np.zeros((n, self.num_perm), dtype=np.uint16)
-        for a, b in _parts(texts):  # parts of a few MB of arrays (see filters._parts)
+        for a, b in _parts(texts):  # parts of a few MB of arrays (see filters_batch._parts)
             bands[a:b], sigs[a:b] = self._signatures(texts[a:b], cjk[a:b])
         return bands, sigs
 

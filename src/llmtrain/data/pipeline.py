@@ -24,7 +24,8 @@ import numpy as np
 
 from llmtrain.data.clean import NORMALIZATION_FORMS, clean_text
 from llmtrain.data.dedup import DedupConfig, MinHasher, exact_digest
-from llmtrain.data.filters import FilterConfig, cjk_flags, quality_check_many
+from llmtrain.data.filters import FilterConfig
+from llmtrain.data.filters_batch import cjk_flags, quality_check_many
 from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.pack import PACK_MODES
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -175,7 +176,7 @@ def process_chunk(
     status = [KEPT if t else "empty" for t in texts]
     kept_texts = [t for t in texts if t]
     cjk = None  # CJK flags of kept_texts, computed once for the filters and MinHash
-    if opts.filter and kept_texts:  # all documents of the chunk at once (filters.quality_check_many)
+    if opts.filter and kept_texts:  # all documents of the chunk at once (filters_batch.quality_check_many)
         if not opts.filters.c4_lines:
             cjk = cjk_flags(kept_texts)
         filtered, reasons = quality_check_many(kept_texts, opts.filters, cjk)

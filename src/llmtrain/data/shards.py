@@ -114,7 +114,7 @@ def iter_part_batches(
     parts: int,
     index: DedupIndex | None = None,
     counters: dict | None = None,
-    batch_tokens: int = 1 << 22,
+    batch_tokens: int = 1 << 20,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The documents of parts ``0..parts-1`` in order, as batches ``(tokens, lengths)``: about
     ``batch_tokens`` tokens back to back and the length of each document [D]. Read with plain file reads (not a
