@@ -243,17 +243,12 @@ class DedupIndex:
 
     def check(self, digest: int | None, bands: np.ndarray | None, sig: np.ndarray | None) -> str | None:
         """``"exact_duplicate"`` / ``"near_duplicate"`` if the document repeats a kept one; else record it."""
-        if digest is not None and self.cfg.exact:
-            if digest in self._exact:
-                return "exact_duplicate"
-        if bands is not None and self.cfg.near:
-            keys = bands.tolist()
-            candidates = {c for k in keys if (c := self._bands.get(k)) is not None}
-            for c in sorted(candidates):
-                if float(np.mean(self._sigs[c] == sig)) >= self.cfg.threshold:
-                    return "near_duplicate"
-        self.add(digest, bands, sig)
-        return None
+        out = self.check_many(
+            None if digest is None else np.asarray([digest], dtype=np.uint64),
+            None if bands is None else np.asarray(bands)[None],
+            None if sig is None else np.asarray(sig)[None],
+        )
+        return out[0] if out else None  # nothing to check or record
 
     def check_many(
         self, digests: np.ndarray | None, bands: np.ndarray | None, sigs: np.ndarray | None, rows=None
