@@ -7,6 +7,10 @@ without a traceback and exits with code 2.
 
 from __future__ import annotations
 
+# Exit codes of `llmtrain train` / `launch` besides an error's own (docs/reliability.md, "Ending a run").
+PREEMPTED_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: stopped on a signal, saved; the same command resumes
+HANG_EXIT_CODE = 124  # the hang watchdog ended a rank that made no progress
+
 
 class LLMTrainError(Exception):
     """Base class of errors caused by user input; the CLI turns them into exit code 2."""

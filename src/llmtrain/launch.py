@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
+
+from llmtrain.errors import PREEMPTED_EXIT_CODE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,4 +89,23 @@ def main(args: argparse.Namespace) -> int:
     # Workers must not share the rendezvous TCPStore: after an elastic restart they would read the previous
     # attempt's gloo/NCCL addresses from it ("Connection refused", pytorch/pytorch#135712).
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return subprocess.call(cmd, env=env)
+    code = subprocess.call(cmd, env=env)
+    if code != 0 and _preempted(Path(cfg.run.output_dir)):
+        return PREEMPTED_EXIT_CODE  # torchrun reports a worker's 75 as a failure (1): say what happened
+    return code
+
+
+def _preempted(run_dir: Path) -> bool:
+    """True when the newest attempt recorded in ``events.jsonl`` ended with a ``preempted`` event."""
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return False
+    last = None
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line).get("event")
+        except (ValueError, AttributeError):
+            continue
+        if event in ("run_start", "preempted"):
+            last = event
+    return last == "preempted"

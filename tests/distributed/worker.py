@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config import config_from_dict
+from llmtrain.distributed.device import shutdown_distributed
 from llmtrain.train.trainer import Trainer
 
 
@@ -55,7 +56,7 @@ def main() -> None:
         dist.barrier()
     if dist.get_rank() == 0:
         json.dump(results, open(sys.argv[2], "w"))
-    dist.destroy_process_group()
+    shutdown_distributed(barrier=True)  # the trainer's own exit: every rank, then every group destroyed
 
 
 if __name__ == "__main__":

@@ -66,3 +66,26 @@ def init_distributed(device_type: str, timeout_s: int) -> int:
     if world_size > 1:
         dist.init_process_group(backend=BACKENDS[device_type], timeout=datetime.timedelta(seconds=timeout_s))
     return world_size
+
+
+def shutdown_distributed(barrier: bool) -> None:
+    """Leave every process group before the interpreter shuts down (see docs/reliability.md, "Ending a run").
+
+    A collective's work object holds its tensors, whose last reference gloo's worker thread may drop just after
+    the main thread returned from the collective. If that happens once the interpreter is finalizing, the
+    thread's GIL acquire ends it with ``pthread_exit`` inside a C++ destructor and the process aborts
+    (``terminate called without an active exception``, SIGABRT): exit -6 after a run that had finished.
+    ``destroy_process_group`` shuts every group down (subgroups first, the default group last) and joins their
+    worker threads while the interpreter is whole. ``barrier`` (on success) first waits for every rank, so no
+    rank leaves while a peer still expects it in a collective; after an error it is skipped, since a failed
+    peer may never arrive.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if barrier:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

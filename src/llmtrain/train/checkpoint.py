@@ -675,6 +675,28 @@ class Checkpointer:
             ) from pending.error
         return pending.final
 
+    def close(self, finish: bool, timeout_s: float = 60.0) -> bool:
+        """End of the run: finish (``finish``) or abandon the save in flight, then join the purge thread.
+
+        An abandoned save is never committed: its ``.tmp`` directory is cleared by the next run's rotation. After
+        an error the saving thread is given ``timeout_s`` to end by itself (it may wait on a peer that failed);
+        returns False when a thread is still running then, so the caller ends the process without the
+        interpreter's shutdown (see ``distributed.device.shutdown_distributed``)."""
+        if finish:
+            self.wait()
+            return True
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.thread.join(timeout_s)
+            if pending.thread.is_alive():
+                return False
+        if self._purger is not None:
+            self._purger.join(timeout_s)
+            if self._purger.is_alive():
+                return False
+            self._purger = None
+        return True
+
     def _commit(self, step: int, tmp: Path, final: Path, trainer_state: dict) -> None:
         """Rank 0, after every rank's files are written: state, checksums, marker, rename, rotate."""
         if self.fault_hook is not None:

@@ -1,6 +1,11 @@
 """``llmtrain train CONFIG.yaml [section.key=value ...]``: validate, then run the trainer.
 
-Works as a plain process or under ``torchrun`` (the launcher sets RANK/WORLD_SIZE).
+Works as a plain process or under ``torchrun`` (the launcher sets RANK/WORLD_SIZE). However the run ends, it
+ends the same way: the trainer's background work is finished (success, preemption) or abandoned (an error),
+its threads are joined, and the process groups are destroyed before the interpreter shuts down
+(``shutdown_distributed``: a gloo worker thread outliving the interpreter aborts the process). Exit codes
+(docs/reliability.md): 0 finished, 2 bad input, 3 diverged (the stability guard gave up), 75 preempted (saved;
+run the same command again to resume), 124 hang watchdog; 1 for anything else.
 """
 
 from __future__ import annotations
@@ -8,6 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import traceback
+
+from llmtrain.errors import PREEMPTED_EXIT_CODE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,11 +28,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from llmtrain.config import load_config, validate
+    from llmtrain.distributed.device import shutdown_distributed
     from llmtrain.train.trainer import Trainer
 
     cfg, notes = load_config(args.config, args.overrides)
     warnings = validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), require_data=True)
-    trainer = Trainer(cfg, notes=[*notes, *warnings])
-    result = trainer.fit()
-    print(json.dumps({"run_dir": str(trainer.run_dir), **result}))
-    return 0
+    trainer = None
+    try:
+        trainer = Trainer(cfg, notes=[*notes, *warnings])
+        result = trainer.fit()
+        trainer.close(ok=True)
+    except BaseException as e:
+        clean = _close_quietly(trainer)
+        if (
+            not clean
+        ):  # a thread still runs (e.g. a save waiting on a failed peer): skip the interpreter's shutdown
+            _hard_exit(e)
+        shutdown_distributed(barrier=False)
+        raise
+    shutdown_distributed(barrier=True)
+    print(json.dumps({"run_dir": str(trainer.run_dir), **result}), flush=True)
+    return PREEMPTED_EXIT_CODE if result.get("preempted") else 0
+
+
+def _close_quietly(trainer: object) -> bool:
+    """The error path's close: never masks the error that is ending the run."""
+    if trainer is None:
+        return True
+    try:
+        return trainer.close(ok=False)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - the original error is what the user must see
+        return False
+
+
+def _hard_exit(error: BaseException) -> None:
+    """End the process now (``os._exit``), after saying why: used only when a background thread would not stop."""
+    from llmtrain.errors import LLMTrainError
+
+    if isinstance(error, LLMTrainError):
+        code = error.exit_code
+        print(f"llmtrain train: error: {error}", file=sys.stderr)
+    else:
+        code = 130 if isinstance(error, KeyboardInterrupt) else 1
+        traceback.print_exception(error)
+    print(
+        "llmtrain train: a background thread did not stop; exiting without waiting for it.", file=sys.stderr
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

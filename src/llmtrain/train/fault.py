@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config.schema import FaultConfig
+from llmtrain.errors import HANG_EXIT_CODE
 
-HANG_EXIT_CODE = 124
 KINDS = ("kill", "hang", "nan", "spike", "crash_in_save", "corrupt_checkpoint")
 
 
@@ -184,7 +184,10 @@ class HangWatchdog:
         self._last, self._step = time.monotonic(), step
 
     def stop(self) -> None:
+        """Stop and join the thread (it wakes within ``poll_s``)."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):

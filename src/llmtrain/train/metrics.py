@@ -137,7 +137,8 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
-        if not self.enabled:
+        """Stop the progress bar, flush and close TensorBoard / wandb / metrics.jsonl (once; later calls no-op)."""
+        if not self.enabled or self._file.closed:
             return
         if self.progress is not None:
             self.progress.stop()

@@ -422,6 +422,17 @@ class Trainer:
             plot_losses(self.metrics.path, self.run_dir / "loss.png")
         return {"step": self.step, **last_val}
 
+    def close(self, ok: bool) -> bool:
+        """End of the run, finished or failed: the save in flight finished (``ok``) or abandoned, background
+        threads joined, metrics and TensorBoard closed. False when a thread would not stop (the caller then
+        ends the process without the interpreter's shutdown)."""
+        try:
+            clean = self.checkpointer.close(finish=ok)
+        finally:
+            self.profiler.close()
+            self.metrics.close()
+        return clean
+
     # ------------------------------------------------------------------ stages
     def consumed_tokens(self) -> dict[str, int]:
         """Tokens drawn from each dataset path by all ranks since the run began."""
