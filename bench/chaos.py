@@ -154,7 +154,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     prefix = args.corpus
     if prefix is None:
-        from llmtrain.data.prepare import prepare
+        from llmtrain.data.prep.prepare import prepare
 
         files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))[:40]
         prefix = str(work / "corpus" / "stdlib")

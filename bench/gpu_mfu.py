@@ -80,7 +80,7 @@ def parse_args() -> argparse.Namespace:
 
 def prepare_corpus(root: Path) -> str:
     """A prepared dataset prefix from the Python standard library (idempotent: reused when present)."""
-    from llmtrain.data.prepare import prepare
+    from llmtrain.data.prep.prepare import prepare
 
     prefix = root / "stdlib"
     if not Path(f"{prefix}.manifest.json").is_file():

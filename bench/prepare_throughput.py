@@ -82,7 +82,7 @@ def child(mode: str, src: str, tok: str, workers: int, out: str) -> dict:
         return {"rate": 64 * 2048 * len(steps) / sum(steps), "median": 64 * 2048 / steps[len(steps) // 2],
                 "secs": sum(steps), "peak_mb": 0.0, "cpu": 0.0, "cpu_rate": 0.0}  # fmt: skip
     else:
-        from llmtrain.data.prepare import prepare
+        from llmtrain.data.prep.prepare import prepare
 
         opts = (
             {} if mode == "tokenize" else {"clean": True, "filter": True, "dedup": "near", "pack": "bestfit"}
@@ -100,7 +100,7 @@ def child(mode: str, src: str, tok: str, workers: int, out: str) -> dict:
 def _batches(texts: list[str]):
     """The texts in the batches ``prepare`` sends to the tokenizer (CHUNK_DOCUMENTS documents or CHUNK_CHARS
     characters), so the raw limit and llmtrain tokenize the same batches."""
-    from llmtrain.data.prepare import CHUNK_CHARS, CHUNK_DOCUMENTS
+    from llmtrain.data.prep.parts import CHUNK_CHARS, CHUNK_DOCUMENTS
 
     batch: list[str] = []
     chars = 0

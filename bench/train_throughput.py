@@ -88,7 +88,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from llmtrain.data.prepare import prepare
+    from llmtrain.data.prep.prepare import prepare
     from llmtrain.models import build_model
     from llmtrain.train.trainer import Trainer
 

@@ -21,7 +21,7 @@ def shared_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> str:
     """A prepared dataset prefix: 12 stdlib modules, a 512-token byte-level BPE trained on them."""
-    from llmtrain.data.prepare import prepare
+    from llmtrain.data.prep.prepare import prepare
 
     files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))[:12]
     prefix = tmp_path_factory.mktemp("corpus") / "tiny"

@@ -255,7 +255,7 @@ def test_datasets_vocab_and_tokenizer(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.datasets\[1\] was tokenized with a different tokenizer"):
         validate(debug_cfg(f"data.datasets=[{{path: {a}}}, {{path: {b}}}]"))
 
-    from llmtrain.data.tokenizer import train_bpe
+    from llmtrain.data.prep.tokenizer_training import train_bpe
 
     tok = train_bpe(["hello world, hello tokens"] * 20, 300, str(tmp_path / "tok.json"))
     c = write_dataset(tmp_path / "c", sha=tok.sha256, vocab=tok.vocab_size)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from llmtrain.data.indexed import IndexedDataset
-from llmtrain.data.prepare import prepare
-from llmtrain.data.readers import read_jsonl, read_parquet
-from llmtrain.data.tokenizer import train_bpe
+from llmtrain.data.prep.prepare import prepare
+from llmtrain.data.prep.readers import read_jsonl, read_parquet
+from llmtrain.data.prep.tokenizer_training import train_bpe
 from llmtrain.errors import DataError
 
 # Varied lengths and non-ASCII text, so a reader that drops, reorders or mangles a document changes the tokens.
@@ -291,7 +291,7 @@ def test_parquet_reads_one_row_group_at_a_time(tmp_path, monkeypatch):
 
 def test_parquet_partitions_split_rows(tmp_path, tok_file, reference):
     """--partition counts parquet rows like jsonl lines: partitions 0/2 and 1/2 hold the even and odd rows."""
-    from llmtrain.data.merge import merge
+    from llmtrain.data.prep.merge import merge
 
     inputs, kwargs = _same_docs(tmp_path, "parquet")
     for i in range(2):

@@ -10,8 +10,8 @@ import pytest
 
 from llmtrain.config.schema import Config, DatasetSpec
 from llmtrain.data.loader import BatchIterator, build_datasets
-from llmtrain.data.prepare import prepare
-from llmtrain.data.tokenizer import train_bpe
+from llmtrain.data.prep.prepare import prepare
+from llmtrain.data.prep.tokenizer_training import train_bpe
 from llmtrain.errors import DataError
 
 TEXTS = [f"Record {i}: the {w} went over the {w} hill and came back {i % 7} times." for i, w in

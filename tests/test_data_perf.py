@@ -12,9 +12,9 @@ import torch
 
 from llmtrain.config.schema import Config, DatasetSpec
 from llmtrain.data.loader import BatchIterator, build_datasets, make_batch
-from llmtrain.data.prepare import prepare
+from llmtrain.data.prep.prepare import prepare
+from llmtrain.data.prep.tokenizer_training import train_bpe
 from llmtrain.data.samples import BlendedSamples
-from llmtrain.data.tokenizer import train_bpe
 
 TEXTS = [f"Doc {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][i % 4] for _ in range(3 + (i * 7) % 40))
          for i in range(90)]  # fmt: skip
@@ -153,7 +153,7 @@ def reference_repetition(units: list[str], cfg) -> str | None:
 def test_repetition_rules_equal_reference():
     import random
 
-    from llmtrain.data.filters import FilterConfig, repetition_reason
+    from llmtrain.data.prep.filters import FilterConfig, repetition_reason
 
     rng, cfg = random.Random(0), FilterConfig()
     vocab = ["the", "a", "of", "cat", "elephant", "ran", "over", "hill", "to", "and", "is", "x"]
@@ -175,7 +175,7 @@ def test_repetition_rules_equal_reference():
 
 
 def test_batched_minhash_equals_per_document():
-    from llmtrain.data.dedup import DedupConfig, MinHasher
+    from llmtrain.data.prep.dedup import DedupConfig, MinHasher
 
     mh = MinHasher(DedupConfig())
     texts = TEXTS + ["", "x", "重复的文字" * 50, " ".join(TEXTS) * 3]

@@ -12,11 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import llmtrain.data.prepare as prep
+import llmtrain.data.prep.parts as prep
 from llmtrain.data.manifest import read_manifest
-from llmtrain.data.merge import merge
-from llmtrain.data.prepare import prepare
-from llmtrain.data.tokenizer import load_tokenizer, train_bpe
+from llmtrain.data.prep.merge import merge
+from llmtrain.data.prep.prepare import prepare
+from llmtrain.data.prep.tokenizer_training import train_bpe
+from llmtrain.data.tokenizer import load_tokenizer
 from llmtrain.errors import DataError
 
 TEXTS = [f"Document number {i} talks about {w} and {w}s near the river." for i, w in

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmtrain.data.clean import clean_text, repair_mojibake
-from llmtrain.data.dedup import DedupConfig, DedupIndex, MinHasher, jaccard
-from llmtrain.data.filters import FilterConfig, is_cjk, quality_check
-from llmtrain.data.pack import pack_all
+from llmtrain.data.prep.clean import clean_text, repair_mojibake
+from llmtrain.data.prep.dedup import DedupConfig, DedupIndex, MinHasher, jaccard
+from llmtrain.data.prep.filters import FilterConfig, is_cjk, quality_check
+from llmtrain.data.prep.pack import pack_all
 
 WORDS = ("river stone garden window letter harbor candle meadow silver thunder lantern orchard valley "
          "compass feather marble velvet canyon blossom timber").split()  # fmt: skip

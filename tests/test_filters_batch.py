@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmtrain.data import dedup, filters_batch
-from llmtrain.data.dedup import DedupConfig, MinHasher
-from llmtrain.data.filters import FilterConfig, is_cjk, quality_check
-from llmtrain.data.filters_batch import cjk_flags, quality_check_many
+from llmtrain.data.prep import dedup, textarrays
+from llmtrain.data.prep.dedup import DedupConfig, MinHasher
+from llmtrain.data.prep.filters import FilterConfig, is_cjk, quality_check
+from llmtrain.data.prep.filters_batch import cjk_flags, quality_check_many
 
 # every str.isspace() character, and characters that look like spaces but are not
 SPACES = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B)))
@@ -204,24 +204,24 @@ def test_char_table_matches_python_predicates():
     """The per-code-point table equals the per-character predicates for all of Unicode, and re's \\s is
     exactly str.isspace (what str.split / str.strip use)."""
     cps = np.arange(0x110000, dtype=np.uint32)
-    flags = filters_batch._table().lookup(cps)
+    flags = textarrays.table().lookup(cps)
     chars = "".join(map(chr, range(0x110000)))
     space = np.fromiter(map(str.isspace, chars), dtype=bool, count=len(chars))
     alpha = np.fromiter(map(str.isalpha, chars), dtype=bool, count=len(chars))
     regex_space = np.array([bool(re.match(r"\s", c)) for c in chars])
     word = np.array([bool(re.match(r"[^\W\d_]", c)) for c in chars])
-    cjk = np.array([bool(filters_batch._CJK.match(c)) for c in chars])
+    cjk = np.array([bool(textarrays.CJK.match(c)) for c in chars])
     assert np.array_equal(regex_space, space) and space.sum() == len(SPACES)
     assert set(SPACES) == {c for c in chars if c.isspace()} and not any(c.isspace() for c in NOT_SPACES)
     assert not (space & (word | alpha)).any()  # a letter is never a space: counts may ignore spaces
-    for bit, expected in [(filters_batch._SPACE_F, space), (filters_batch._ALPHA_F, alpha), (filters_batch._WORD_F, word),
-                          (filters_batch._CJK_F, cjk)]:  # fmt: skip
+    for bit, expected in [(textarrays.SPACE_F, space), (textarrays.ALPHA_F, alpha), (textarrays.WORD_F, word),
+                          (textarrays.CJK_F, cjk)]:  # fmt: skip
         assert np.array_equal((flags & bit) != 0, expected), bit
-    bullets = np.isin(cps, [ord(b) for b in filters_batch._BULLETS])
-    assert np.array_equal((flags & filters_batch._BULLET_F) != 0, bullets) and bullets.sum() == len(
-        filters_batch._BULLETS
+    bullets = np.isin(cps, [ord(b) for b in textarrays.BULLETS])
+    assert np.array_equal((flags & textarrays.BULLET_F) != 0, bullets) and bullets.sum() == len(
+        textarrays.BULLETS
     )
-    assert np.array_equal(filters_batch._table().hashes[cps[:0x3100]], [hash(c) for c in chars[:0x3100]])
+    assert np.array_equal(textarrays.table().hashes[cps[:0x3100]], [hash(c) for c in chars[:0x3100]])
 
 
 def test_words_match_str_split():
@@ -229,8 +229,8 @@ def test_words_match_str_split():
     rng = random.Random(0)
     texts = [f"ab{c}cd{c}{c}e{c}" for c in SPACES + NOT_SPACES] + ["", " ", "x", "\u3000y\u3000", "z"]
     texts += [odd_whitespace(rng, vocabulary(20, i)) for i in range(20)]
-    _, flags, offsets = filters_batch._encode(texts)
-    wstart, wend, wdoc = filters_batch._words((flags & filters_batch._SPACE_F) != 0, offsets)
+    _, flags, offsets = textarrays.encode(texts)
+    wstart, wend, wdoc = textarrays.words((flags & textarrays.SPACE_F) != 0, offsets)
     joined = "".join(texts)
     got = [[joined[s:e] for s, e, d in zip(wstart, wend, wdoc) if d == i] for i in range(len(texts))]
     assert got == [t.split() for t in texts]
@@ -264,7 +264,7 @@ def test_random_documents_and_small_parts(monkeypatch):
     assert {"c4_too_few_lines", "top_ngram_1", "dup_ngram_12"} <= seen
     assert_signatures_equal(MinHasher(DedupConfig()), texts)
     # batches cut into parts of a few documents (long documents alone), MinHash blocks of 100 shingles
-    monkeypatch.setattr(filters_batch, "_BATCH_CHARS", 300)
+    monkeypatch.setattr(textarrays, "BATCH_CHARS", 300)
     monkeypatch.setattr(dedup, "_BATCH_BLOCK", 100)
     assert_filters_equal(texts, CONFIGS["default"])
     assert_signatures_equal(MinHasher(DedupConfig()), texts[:100])
@@ -322,7 +322,7 @@ def test_signatures_crafted(monkeypatch):
         assert_signatures_equal(MinHasher(cfg), texts)
         assert_signatures_equal(MinHasher(cfg), texts, chunk=3)
     monkeypatch.setattr(dedup, "_BATCH_BLOCK", 5)  # documents spanning several blocks
-    monkeypatch.setattr(filters_batch, "_BATCH_CHARS", 50)
+    monkeypatch.setattr(textarrays, "BATCH_CHARS", 50)
     assert_signatures_equal(MinHasher(DedupConfig()), texts)
 
 

@@ -12,8 +12,9 @@ import pytest
 
 from llmtrain.data.indexed import IndexedDataset
 from llmtrain.data.manifest import read_manifest, tokenizer_path
-from llmtrain.data.prepare import add_arguments, main, prepare
-from llmtrain.data.tokenizer import load_tokenizer, sha256_file, train_bpe
+from llmtrain.data.prep.prepare import add_arguments, main, prepare
+from llmtrain.data.prep.tokenizer_training import train_bpe
+from llmtrain.data.tokenizer import load_tokenizer, sha256_file
 from llmtrain.errors import DataError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

@@ -25,7 +25,7 @@ from llmtrain.train.curriculum import Curriculum
 @pytest.fixture(scope="module")
 def corpora(tiny_corpus, tmp_path_factory) -> list[str]:
     """Three datasets sharing tiny_corpus's tokenizer: [tiny_corpus, other stdlib modules, more of them]."""
-    from llmtrain.data.prepare import prepare
+    from llmtrain.data.prep.prepare import prepare
 
     tok = glob.glob(tiny_corpus + "*.tokenizer.json")[0]
     files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))

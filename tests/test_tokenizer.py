@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.data.tokenizer import load_tokenizer, train_bpe
+from llmtrain.data.prep.tokenizer_training import train_bpe
+from llmtrain.data.tokenizer import load_tokenizer
 from llmtrain.errors import DataError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

@@ -15,13 +15,13 @@ from llmtrain.errors import LLMTrainError
 
 # command -> (module, one-line help). An explicit registry: nothing is imported by a user-supplied name.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare": ("llmtrain.data.prepare", "tokenize text into Megatron .bin/.idx token shards"),
+    "prepare": ("llmtrain.data.prep.prepare", "tokenize text into Megatron .bin/.idx token shards"),
     "train": ("llmtrain.train.entry", "train from a YAML config (also under torchrun)"),
     "check": ("llmtrain.check", "validate a config and print it with derived figures"),
     "generate": ("llmtrain.train.sample", "sample text from a run directory or checkpoint"),
     "demo": ("llmtrain.demo", "prepare the stdlib sources, train the demo model on the CPU, sample"),
     "plan": ("llmtrain.plan.cli", "estimate memory, step time, MFU and cost of a run; search layouts"),
-    "merge": ("llmtrain.data.merge", "join the partitions written by `prepare --partition i/N`"),
+    "merge": ("llmtrain.data.prep.merge", "join the partitions written by `prepare --partition i/N`"),
     "export": ("llmtrain.export", "export a checkpoint to Hugging Face safetensors"),
     "launch": ("llmtrain.launch", "run `train` under torchrun (multi-process, multi-node, elastic)"),
     "report": ("llmtrain.report", "write a self-contained HTML report of a run directory (live or finished)"),

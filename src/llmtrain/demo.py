@@ -45,7 +45,7 @@ def stdlib_sources() -> list[str]:
 def main(args: argparse.Namespace) -> int:
     from llmtrain.config import load_config, validate
     from llmtrain.data.manifest import manifest_path
-    from llmtrain.data.prepare import prepare
+    from llmtrain.data.prep.prepare import prepare
     from llmtrain.generate import generate
     from llmtrain.train.sample import load_for_generation
     from llmtrain.train.trainer import Trainer

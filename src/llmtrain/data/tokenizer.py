@@ -1,4 +1,4 @@
-"""One tokenizer interface over Hugging Face ``tokenizers`` and SentencePiece, plus deterministic BPE training.
+"""One tokenizer interface over Hugging Face ``tokenizers`` and SentencePiece: load, encode, decode.
 
 The data path only needs four things from a tokenizer: ``encode`` (text -> ids, never adding BOS/EOS: ``prepare``
 appends the EOS itself so every backend packs documents the same way), ``decode``, the vocabulary size (which
@@ -10,15 +10,13 @@ model; nothing else is accepted (no class is ever imported by name). With the HF
 that occur inside document text are encoded as ordinary text (``encode_special_tokens``), so a web page that
 happens to contain ``<|endoftext|>`` cannot inject a document boundary.
 
-:func:`train_bpe` trains the byte-level BPE used by ``prepare --train-tokenizer``: GPT-2 style ByteLevel
-pre-tokenizer and decoder (lossless round trip for any Unicode text), all 256 byte symbols in the initial
-alphabet, and ``<|endoftext|>`` as the only special token (id 0), which is the EOS.
+Loading only: this module is what training and sampling need at run time. Training a tokenizer is offline
+preparation (``prepare --train-tokenizer``), in :mod:`llmtrain.data.prep.tokenizer_training`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 from pathlib import Path
 
 from llmtrain.errors import DataError
@@ -32,7 +30,6 @@ EOS_CANDIDATES = (
     "<eos>",
 )
 BOS_CANDIDATES = ("<|begin_of_text|>", "<｜begin▁of▁sentence｜>", "<s>", "<bos>")
-TRAINED_EOS = "<|endoftext|>"
 
 
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 22) -> str:
@@ -174,34 +171,3 @@ def _pick_id(vocab: dict[str, int], explicit: str | None, candidates: tuple[str,
         f"Tokenizer '{path}' has none of the usual EOS tokens ({', '.join(candidates)}); pass --eos-token with "
         f"the token that ends a document."
     )
-
-
-def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> Tokenizer:
-    """Train a byte-level BPE of ``vocab_size`` on ``texts``, save it as tokenizer JSON at ``out_path``, load it.
-
-    Deterministic: the same texts in the same order give a byte-identical file. ``<|endoftext|>`` is id 0 and is
-    the EOS. ``vocab_size`` must leave room for the 256 byte symbols and the special token.
-    """
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 1:
-        raise DataError(
-            f"--train-tokenizer {vocab_size} is too small: a byte-level BPE needs at least "
-            f"{len(alphabet) + 1} entries (256 byte symbols and {TRAINED_EOS})."
-        )
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[TRAINED_EOS],
-        initial_alphabet=alphabet,
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_path))
-    return load_tokenizer(str(out_path), eos_token=TRAINED_EOS)

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmtrain.data.filters import _POLY, _SPACE, _ngram_hashes, is_cjk
-from llmtrain.data.filters_batch import _SPACE_F, _encode, _parts, _prefix, _words, cjk_flags
+from llmtrain.data.prep.filters import is_cjk
+from llmtrain.data.prep.filters_batch import cjk_flags
+from llmtrain.data.prep.textarrays import POLY, SPACE, SPACE_F, encode, ngram_hashes, parts, prefix, words
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _BLOCK = 4096  # shingles per block of the [S, P] hash matrix
@@ -106,14 +107,14 @@ class MinHasher:
     def shingles(self, text: str) -> np.ndarray:
         """Unique 32-bit shingle hashes of ``text`` [S] (uint64 holding 32-bit values)."""
         if is_cjk(text):
-            units = np.frombuffer(_SPACE.sub("", text).encode("utf-32-le"), dtype=np.uint32)
+            units = np.frombuffer(SPACE.sub("", text).encode("utf-32-le"), dtype=np.uint32)
             units = units.astype(np.uint64)
         else:
-            words = text.lower().split()
-            units = np.fromiter((zlib.crc32(w.encode()) for w in words), dtype=np.uint64, count=len(words))
+            split = text.lower().split()
+            units = np.fromiter((zlib.crc32(w.encode()) for w in split), dtype=np.uint64, count=len(split))
         if len(units) == 0:
             return np.zeros(1, dtype=np.uint64)
-        h = _ngram_hashes(units, min(self.cfg.ngram, len(units)))
+        h = ngram_hashes(units, min(self.cfg.ngram, len(units)))
         return np.unique((h ^ (h >> np.uint64(32))) & _MASK32)
 
     def signature_of(self, shingles: np.ndarray) -> np.ndarray:
@@ -142,10 +143,10 @@ class MinHasher:
         """:meth:`signature` of many documents at once: (band keys [N, B] uint64, signatures [N, P] uint16),
         bitwise equal to the per-document results.
 
-        ``cjk``: :func:`~llmtrain.data.filters.cjk_flags` of these very texts, if the caller has them (after
-        C4 line filtering, of the shortened texts). Shingling is batched (:meth:`_flat_shingles`); the MinHash
-        runs one hash function at a time over blocks of the flat shingle array (1-D passes that stay in cache,
-        3x faster than [S', P] blocks), reduced per document with ``np.minimum.reduceat``.
+        ``cjk``: :func:`~llmtrain.data.prep.filters_batch.cjk_flags` of these very texts, if the caller has
+        them (after C4 line filtering, of the shortened texts). Shingling is batched (:meth:`_flat_shingles`);
+        the MinHash runs one hash function at a time over blocks of the flat shingle array (1-D passes that stay
+        in cache, 3x faster than [S', P] blocks), reduced per document with ``np.minimum.reduceat``.
         A signature value is ``(a x + b mod 2^64) >> 32`` minimised over the shingles x; the shift is monotone,
         so it is applied once to the minimum, and a document's repeated shingles do not change a minimum, so
         the per-document ``np.unique`` is not needed."""
@@ -158,7 +159,7 @@ class MinHasher:
             raise ValueError(f"cjk has shape {cjk.shape}; expected ({n},)")
         bands = np.zeros((n, self.cfg.bands), dtype=np.uint64)
         sigs = np.zeros((n, self.num_perm), dtype=np.uint16)
-        for a, b in _parts(texts):  # parts of a few MB of arrays (see filters_batch._parts)
+        for a, b in parts(texts):  # parts of a few MB of arrays (see textarrays.parts)
             bands[a:b], sigs[a:b] = self._signatures(texts[a:b], cjk[a:b])
         return bands, sigs
 
@@ -194,25 +195,25 @@ class MinHasher:
         counts = np.zeros(n, dtype=np.int64)  # [N] units per document
         idx = np.flatnonzero(cjk)
         # strict: a lone surrogate raises UnicodeEncodeError, as the per-document encode does
-        cps, flags, offsets = _encode([texts[i] for i in idx.tolist()], "strict")
-        nonspace = (flags & _SPACE_F) == 0
-        pre = _prefix(nonspace)
+        cps, flags, offsets = encode([texts[i] for i in idx.tolist()], "strict")
+        nonspace = (flags & SPACE_F) == 0
+        pre = prefix(nonspace)
         counts[idx] = pre[offsets[1:]] - pre[offsets[:-1]]
         char_units = cps[nonspace]
         idx = np.flatnonzero(~cjk)
         lowered = [texts[i].lower() for i in idx.tolist()]
         data = np.frombuffer("".join(lowered).encode("utf-8"), dtype=np.uint8)  # strict, as w.encode()
-        cps, flags, offsets = _encode(lowered)
-        wstart, wend, wdoc = _words((flags & _SPACE_F) != 0, offsets)
+        cps, flags, offsets = encode(lowered)
+        wstart, wend, wdoc = words((flags & SPACE_F) != 0, offsets)
         counts[idx] = np.bincount(wdoc, minlength=len(idx))
-        utf8 = _prefix(1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000))  # bytes before
+        utf8 = prefix(1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000))  # bytes before
         units = np.empty(int(counts.sum()), dtype=np.uint64)  # [U] in document order
         in_cjk = np.repeat(cjk, counts)
         units[in_cjk] = char_units
         units[~in_cjk] = _crc32_many(data, utf8[wstart], utf8[wend])
-        ustart = _prefix(counts)[:-1]  # [N]
+        ustart = prefix(counts)[:-1]  # [N]
         grams = np.maximum(counts - ngram + 1, 1)  # [N] shingles: one for a document shorter than ngram
-        first = _prefix(grams)[:-1]  # [N]
+        first = prefix(grams)[:-1]  # [N]
         pos = np.repeat(ustart - first, grams) + np.arange(int(grams.sum()))  # [S] first unit of each shingle
         if len(units) == 0:  # only empty documents
             return np.zeros(n, dtype=np.uint64), first
@@ -222,9 +223,9 @@ class MinHasher:
         for k in range(1, ngram):
             if short:  # a short document's shingle is its n-gram of all its units
                 m = width > k
-                h[m] = h[m] * _POLY + units[pos[m] + k]
+                h[m] = h[m] * POLY + units[pos[m] + k]
             else:
-                h = h * _POLY + units[pos + k]
+                h = h * POLY + units[pos + k]
         h = (h ^ (h >> np.uint64(32))) & _MASK32
         h[np.repeat(counts == 0, grams)] = 0  # an empty document's single shingle is 0
         return h, first

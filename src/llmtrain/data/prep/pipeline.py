@@ -5,7 +5,7 @@ foundation's behaviour: no cleaning, no filters, no dedup, ``concat`` packing, o
 applies the pure stages to a chunk of documents and returns compact numpy arrays (cheap to pickle back from a
 worker): for each document a status (kept, or the filter's reject reason), its token ids, its exact digest and
 its MinHash band keys and signature. The stateful stages, deduplication decisions, packing and writing, run in
-the main process in input order (see ``prepare``), so the output never depends on the worker count.
+the main process in input order (see ``parts``), so the output never depends on the worker count.
 
 Duplicates are tokenized before the main process drops them: deciding first would need a second round trip
 per chunk; the cost is the duplicate fraction of the tokenizer time.
@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from llmtrain.data.clean import NORMALIZATION_FORMS, clean_text
-from llmtrain.data.dedup import DedupConfig, MinHasher, exact_digest
-from llmtrain.data.filters import FilterConfig
-from llmtrain.data.filters_batch import cjk_flags, quality_check_many
 from llmtrain.data.indexed import optimal_dtype
-from llmtrain.data.pack import PACK_MODES
+from llmtrain.data.prep.clean import NORMALIZATION_FORMS, clean_text
+from llmtrain.data.prep.dedup import DedupConfig, MinHasher, exact_digest
+from llmtrain.data.prep.filters import FilterConfig
+from llmtrain.data.prep.filters_batch import cjk_flags, quality_check_many
+from llmtrain.data.prep.pack import PACK_MODES
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
 from llmtrain.errors import ConfigError, DataError
 
@@ -36,14 +36,15 @@ ON_ERROR = ("raise", "skip")
 KEPT = ""  # status of a document that passed the filters
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrepareOptions:
-    """The ``data.prepare`` section: which stages ``llmtrain prepare`` runs and how."""
+    """The ``data.prepare`` section: which stages ``llmtrain prepare`` runs and how (immutable: a job's
+    settings; derive a variant with ``dataclasses.replace``)."""
 
     text_key: str = "text"
     """JSON field (or parquet column) holding the document text."""
     clean: bool = False
-    """Unicode normalization, control characters and trailing whitespace (see data/clean.py)."""
+    """Unicode normalization, control characters and trailing whitespace (see data/prep/clean.py)."""
     normalization: str = "NFC"
     """Unicode normal form of the cleaning stage: NFC, NFKC, NFD, NFKD or none."""
     mojibake: bool = False
@@ -51,11 +52,11 @@ class PrepareOptions:
     filter: bool = False
     """Apply the Gopher quality and repetition filters (thresholds in `filters`)."""
     filters: FilterConfig = field(default_factory=FilterConfig)
-    """Thresholds of the quality filters; defaults from Gopher and C4 (see data/filters.py)."""
+    """Thresholds of the quality filters; defaults from Gopher and C4 (see data/prep/filters.py)."""
     dedup: str = "none"
     """none, exact (hash of the cleaned text) or near (exact + MinHash/LSH near-duplicates)."""
     minhash: DedupConfig = field(default_factory=DedupConfig)
-    """MinHash n-gram size, LSH bands and rows, verification threshold (see data/dedup.py)."""
+    """MinHash n-gram size, LSH bands and rows, verification threshold (see data/prep/dedup.py)."""
     pack: str = "concat"
     """concat (Megatron: concatenate and cut windows) or bestfit (best-fit-decreasing bins, fewer truncations)."""
     seq_length: int = 2048

@@ -24,7 +24,8 @@ all n: the n-grams are hashed only at positions whose shorter prefix repeats (an
 a repeated prefix), so after n = 2 or 3 little is left to sort. The most frequent n-gram, when several are
 equally frequent, is the one covering the most characters (deterministic and the strictest reading).
 
-The batched equivalents that ``prepare`` runs are in :mod:`llmtrain.data.filters_batch`.
+The batched equivalents that ``prepare`` runs are in :mod:`llmtrain.data.prep.filters_batch`; the character
+classes and the n-gram hash both use are in :mod:`llmtrain.data.prep.textarrays`.
 """
 
 from __future__ import annotations
@@ -35,15 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-_CJK = re.compile(r"[\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
-_SPACE = re.compile(r"\s+")
+from llmtrain.data.prep.textarrays import BULLETS, CJK, CJK_THRESHOLD, PARAGRAPHS, POLY, SPACE
+
 _ALPHA_WORD = re.compile(r"\S*[^\W\d_]\S*")  # a whitespace-delimited word holding a letter
-_PARAGRAPHS = re.compile(r"\n\s*\n")
-_BULLETS = ("•", "●", "○", "■", "□", "▪", "‣", "-", "*", "·", "–")
 _TERMINAL = (".", "!", "?", '"', "'", "”", "’", "。", "！", "？", "…")
 _C4_BAD_LINE = re.compile(r"javascript|cookie policy|uses cookies|privacy policy|terms of use", re.IGNORECASE)
-_POLY = np.uint64(0x100000001B3)
-_CJK_THRESHOLD = 0.3  # share of CJK/Thai characters among the non-space ones that makes a document CJK
 
 
 @dataclass
@@ -74,14 +71,14 @@ class FilterConfig:
     c4_min_lines: int = 3
 
 
-def is_cjk(text: str, threshold: float = _CJK_THRESHOLD) -> bool:
+def is_cjk(text: str, threshold: float = CJK_THRESHOLD) -> bool:
     """True when at least ``threshold`` of the non-space characters are CJK or Thai (no spaces between words)."""
     sample = text[:20_000]
-    nonspace = len(sample) - sum(map(len, _SPACE.findall(sample)))
-    return nonspace > 0 and len(_CJK.findall(sample)) >= threshold * nonspace
+    nonspace = len(sample) - sum(map(len, SPACE.findall(sample)))
+    return nonspace > 0 and len(CJK.findall(sample)) >= threshold * nonspace
 
 
-def _dup_fraction(parts: list[str]) -> tuple[float, float]:
+def dup_fraction(parts: list[str]) -> tuple[float, float]:
     """(fraction of parts, fraction of characters) that repeat an earlier part."""
     if not parts:
         return 0.0, 0.0
@@ -95,15 +92,6 @@ def _dup_fraction(parts: list[str]) -> tuple[float, float]:
         else:
             seen.add(p)
     return dup_n / len(parts), dup_chars / max(total_chars, 1)
-
-
-def _ngram_hashes(ids: np.ndarray, n: int) -> np.ndarray:
-    """[W - n + 1] uint64 rolling hashes of the n-grams of unit hashes ``ids`` [W]."""
-    m = len(ids) - n + 1
-    h = ids[:m].copy()
-    for k in range(1, n):
-        h = h * _POLY + ids[k : k + m]
-    return h
 
 
 def _ngram_stats(ids: np.ndarray, cfg: FilterConfig) -> dict[int, tuple[np.ndarray, ...]]:
@@ -124,7 +112,7 @@ def _ngram_stats(ids: np.ndarray, cfg: FilterConfig) -> dict[int, tuple[np.ndarr
             stats[n] = (empty, empty, empty, empty)
             continue
         for k in range(done, n):  # extend the rolling hash to n-grams
-            h = h * _POLY + ids[positions + k]
+            h = h * POLY + ids[positions + k]
         done = n
         order = np.argsort(h)  # [K] equal hashes adjacent, groups in hash order
         sorted_h = h[order]
@@ -187,7 +175,7 @@ def c4_filter_lines(text: str, cfg: FilterConfig, cjk: bool) -> tuple[str, str |
     kept = []
     for line in text.split("\n"):
         s = line.strip()
-        size = len(_SPACE.sub("", s)) if cjk else len(s.split())
+        size = len(SPACE.sub("", s)) if cjk else len(s.split())
         if s.endswith(_TERMINAL) and size >= cfg.c4_min_line_words and not _C4_BAD_LINE.search(s):
             kept.append(s)
     if len(kept) < cfg.c4_min_lines:
@@ -203,7 +191,7 @@ def quality_check(text: str, cfg: FilterConfig) -> tuple[str, str | None]:
         if reason:
             return text, reason
     if cjk:
-        units = list(_SPACE.sub("", text))
+        units = list(SPACE.sub("", text))
         if not cfg.min_chars_cjk <= len(units) <= cfg.max_chars_cjk:
             return text, "too_short" if len(units) < cfg.min_chars_cjk else "too_long"
         if sum(map(str.isalpha, units)) < cfg.min_alpha_chars_cjk * len(units):
@@ -212,7 +200,7 @@ def quality_check(text: str, cfg: FilterConfig) -> tuple[str, str | None]:
         units = text.split()
         if not cfg.min_words <= len(units) <= cfg.max_words:
             return text, "too_short" if len(units) < cfg.min_words else "too_long"
-        mean = (len(text) - sum(map(len, _SPACE.findall(text)))) / len(units)
+        mean = (len(text) - sum(map(len, SPACE.findall(text)))) / len(units)
         if not cfg.min_mean_word_length <= mean <= cfg.max_mean_word_length:
             return text, "mean_word_length"
         if len(_ALPHA_WORD.findall(text)) < cfg.min_alpha_words * len(units):
@@ -222,15 +210,15 @@ def quality_check(text: str, cfg: FilterConfig) -> tuple[str, str | None]:
         return text, "symbol_ratio"
     lines = [s for s in (line.strip() for line in text.split("\n")) if s]
     if lines:
-        if sum(s.startswith(_BULLETS) for s in lines) > cfg.max_bullet_lines * len(lines):
+        if sum(s.startswith(BULLETS) for s in lines) > cfg.max_bullet_lines * len(lines):
             return text, "bullet_lines"
         if sum(s.endswith(("...", "…")) for s in lines) > cfg.max_ellipsis_lines * len(lines):
             return text, "ellipsis_lines"
-    frac, chars = _dup_fraction(lines)
+    frac, chars = dup_fraction(lines)
     if frac > cfg.max_dup_lines or chars > cfg.max_dup_line_chars:
         return text, "dup_lines"
-    paragraphs = [p.strip() for p in _PARAGRAPHS.split(text) if p.strip()]
-    frac, chars = _dup_fraction(paragraphs)
+    paragraphs = [p.strip() for p in PARAGRAPHS.split(text) if p.strip()]
+    frac, chars = dup_fraction(paragraphs)
     if frac > cfg.max_dup_paragraphs or chars > cfg.max_dup_paragraph_chars:
         return text, "dup_paragraphs"
     return text, repetition_reason(units, cfg)

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain import __version__
-from llmtrain.data.dedup import DedupIndex
 from llmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
 from llmtrain.data.manifest import FORMAT, VERSION, manifest_path, read_manifest, write_json_atomic
-from llmtrain.data.pack import make_packer
+from llmtrain.data.prep.dedup import DedupIndex
+from llmtrain.data.prep.pack import make_packer
 from llmtrain.data.tokenizer import sha256_file
 
 

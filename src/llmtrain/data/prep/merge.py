@@ -7,8 +7,8 @@ Two-phase deduplication across partitions:
 1. each ``prepare --partition I/N`` run (one node of a Slurm array, say) cleans, filters, deduplicates *within*
    its partition and records, for every kept document, its exact digest, LSH band keys and MinHash signature
    (``part-*.dedup.npz`` in ``PREFIX.partitions/I-of-N/``);
-2. ``merge`` replays those signatures through one :class:`~llmtrain.data.dedup.DedupIndex`, partition 0 first,
-   and drops every document that duplicates (exactly, or near: a shared band and estimated Jaccard >= the
+2. ``merge`` replays those signatures through one :class:`~llmtrain.data.prep.dedup.DedupIndex`, partition 0
+   first, and drops every document that duplicates (exactly, or near: a shared band and estimated Jaccard >= the
    threshold) a document kept earlier in the order. Only signatures are compared; no text is re-read.
 
 The result satisfies the same guarantee as a single-process run (no two kept documents are duplicates by the
@@ -25,10 +25,10 @@ import json
 import shutil
 from pathlib import Path
 
-from llmtrain.data.dedup import DedupIndex
 from llmtrain.data.indexed import optimal_dtype
-from llmtrain.data.pipeline import options_from
-from llmtrain.data.shards import iter_part_batches, write_dataset
+from llmtrain.data.prep.dedup import DedupIndex
+from llmtrain.data.prep.pipeline import options_from
+from llmtrain.data.prep.shards import iter_part_batches, write_dataset
 from llmtrain.errors import DataError
 
 

@@ -1,0 +1,218 @@
+"""The document loop of ``prepare``: every input file into a finished part, in input order.
+
+Each input file ``k`` is read (``readers``) as records ``(text, file, line)``, cut into chunks of at most
+:data:`CHUNK_DOCUMENTS` documents / :data:`CHUNK_CHARS` characters, and each chunk is cleaned, filtered, hashed
+and tokenized by :func:`~llmtrain.data.prep.pipeline.process_chunk`: in this process for ``--workers 1``, or
+in a pool of spawned worker processes (:func:`start_pool`) with at most ``2 N`` chunks in flight, consumed in
+submission order. The stateful steps run here, in input order, so the output is byte-identical for any worker
+count: the dedup decisions (:class:`~llmtrain.data.prep.dedup.DedupIndex`), the partition filter (every N-th
+non-blank record over all files) and the ``--max-documents`` limit. Kept documents and their dedup rows go to
+the part's :class:`~llmtrain.data.prep.shards.PartWriter`, rejected ones (with their reason) to its rejects
+file; the part's :class:`~llmtrain.data.prep.job.PartCounters` are committed with it, last.
+
+A part already finished by an earlier run with the same job is not redone: its counters are read back and
+its dedup rows are replayed into the index, so the parts after it decide exactly as in one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import multiprocessing as mp
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from multiprocessing.pool import Pool
+from pathlib import Path
+
+import numpy as np
+
+from llmtrain.data.indexed import optimal_dtype
+from llmtrain.data.manifest import write_json_atomic
+from llmtrain.data.prep.dedup import DedupIndex
+from llmtrain.data.prep.job import PartCounters, PrepareJob
+from llmtrain.data.prep.pipeline import KEPT, ChunkResult, PrepareOptions, cached_tokenizer, process_chunk
+from llmtrain.data.prep.readers import READERS, file_kind
+from llmtrain.data.prep.shards import PartWriter, load_part_index, part_done, part_prefix
+from llmtrain.data.tokenizer import Tokenizer
+
+CHUNK_DOCUMENTS = 256  # documents per worker task
+CHUNK_CHARS = 1 << 18  # ... or fewer when they add up to this many characters (small: even load at the end)
+
+Record = tuple[str, Path, int]  # (text, input file, line or record number)
+
+
+@dataclass
+class PartsRun:
+    """What the parts of one run share, besides the job: the tokenizer, the work folder, the worker pool, the
+    dedup index, and the input position reached so far (advanced part by part, in input order)."""
+
+    tok: Tokenizer
+    workdir: Path
+    pool: Pool | None
+    index: DedupIndex | None
+    ordinal: int = 0
+    """Non-blank input records seen so far over all files (the partition filter's position)."""
+    read: int = 0
+    """Documents read so far over all files (for ``max_documents``)."""
+
+
+def start_pool(job: PrepareJob) -> Pool | None:
+    """The worker pool of ``--workers N`` (None for one worker: it runs in-process), started first so that the
+    workers import the pipeline and load the tokenizer while this process loads its own copy. Spawned, not
+    forked: this process may run tokenizers' thread pool (training) or torch's, which a fork copies broken;
+    forking measured no faster (the workers' start overlaps the main process's own tokenizer load)."""
+    if job.workers == 1:
+        return None
+    return mp.get_context("spawn").Pool(
+        job.workers, initializer=_worker_init, initargs=(job.tokenizer, job.eos_token)
+    )
+
+
+def _worker_init(tokenizer: str | None, eos_token: str | None) -> None:
+    """Worker initializer: one tokenizer thread per worker process, so ``--workers N`` uses N cores (not N
+    thread pools of all cores each; with ``--workers 1`` the tokenizer runs in-process with its own pool); then
+    load the tokenizer before the first chunk arrives. A tokenizer that fails to load is reported by the main
+    process, which loads it too."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    if tokenizer is not None:
+        try:
+            cached_tokenizer(tokenizer, eos_token)
+        except Exception:  # noqa: BLE001 (the main process raises the clear error)
+            pass
+
+
+def _process(opts: PrepareOptions, tok_path: str, eos_token: str | None, texts: list[str]) -> ChunkResult:
+    return process_chunk(texts, opts, tok_path, eos_token)
+
+
+def _chunks(records: Iterable[Record]) -> Iterator[list[Record]]:
+    chunk: list[Record] = []
+    chars = 0
+    for rec in records:
+        chunk.append(rec)
+        chars += len(rec[0])
+        if len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _results(
+    chunks: Iterator[list[Record]], job: PrepareJob, run: PartsRun
+) -> Iterator[tuple[list[Record], ChunkResult]]:
+    """(chunk records, ChunkResult) in order, computed in-process or by the pool (<= 2N in flight)."""
+    opts, tok, pool = job.options, run.tok, run.pool
+    if pool is None:
+        for chunk in chunks:
+            yield chunk, process_chunk([r[0] for r in chunk], opts, tok.path, job.eos_token, tok)
+        return
+    task = functools.partial(_process, opts, tok.path, job.eos_token)
+    pending: deque = deque()
+    for chunk in chunks:
+        pending.append((chunk, pool.apply_async(task, ([r[0] for r in chunk],))))
+        if len(pending) >= 2 * pool._processes:
+            c, r = pending.popleft()
+            yield c, r.get()
+    while pending:
+        c, r = pending.popleft()
+        yield c, r.get()
+
+
+def run_parts(job: PrepareJob, files: list[Path], tok: Tokenizer, pool: Pool | None) -> list[PartCounters]:
+    """Process every input file into a finished part of ``job.workdir``; returns the parts' counters."""
+    opts = job.options
+    index = None
+    if opts.dedup != "none":
+        index = DedupIndex(dataclasses.replace(opts.minhash, near=opts.dedup == "near"))
+    run = PartsRun(tok, job.workdir, pool, index)
+    counters: list[PartCounters] = []
+    for k, path in enumerate(files):
+        done = part_done(run.workdir, k)
+        if done is not None:
+            if index is not None:
+                load_part_index(run.workdir, k, index)
+            c = PartCounters.from_json(done)
+            run.ordinal, run.read = c.ordinal, c.read_total
+            counters.append(c)
+            continue
+        writer = None
+        if job.max_documents is not None and run.read >= job.max_documents:
+            c = PartCounters()
+        else:
+            c, writer = _run_part(k, path, job, run)
+        run.read += c.read
+        c.ordinal, c.read_total = run.ordinal, run.read
+        counters.append(c)
+        if writer is not None:
+            writer.commit(c.to_json())
+        else:
+            write_json_atomic(Path(f"{part_prefix(run.workdir, k)}.json"), c.to_json())  # empty part marker
+    return counters
+
+
+def _run_part(k: int, path: Path, job: PrepareJob, run: PartsRun) -> tuple[PartCounters, PartWriter]:
+    """Process input file ``k`` into part ``k``; returns its counters and the writer, ready to commit."""
+    opts = job.options
+    c = PartCounters()
+    errors: dict[str, int] | None = {} if opts.on_error == "skip" else None
+    keep = None
+    if job.partition is not None:
+        i, n = job.partition
+
+        def keep() -> bool:
+            run.ordinal += 1
+            return (run.ordinal - 1) % n == i
+
+    records = READERS[file_kind(path)](path, opts.text_key, errors, keep)
+    if job.max_documents is not None:
+        records = itertools.islice(records, job.max_documents - run.read)
+    writer = PartWriter(run.workdir, k, optimal_dtype(run.tok.vocab_size), opts.rejects is not None)
+    try:
+        for chunk, res in _results(_chunks(records), job, run):
+            kept = np.asarray([r == KEPT for r in res.status], dtype=bool)  # [N] passed clean + filters
+            if run.index is not None:  # dedup decisions, one document at a time in input order
+                rows = kept.nonzero()[0].tolist()
+                for j, reason in zip(rows, run.index.check_many(res.digests, res.bands, res.sigs, rows)):
+                    if reason:
+                        res.status[j] = reason
+                        kept[j] = False
+            tokens = res.tokens
+            if not kept.all():  # drop the tokens of documents tokenized but then found duplicates
+                tokens = tokens[np.repeat(kept, res.lengths)]
+            writer.add_many(tokens, res.lengths[kept],
+                            None if res.digests is None else res.digests[kept],
+                            None if res.bands is None else res.bands[kept],
+                            None if res.sigs is None else res.sigs[kept])  # fmt: skip
+            c.read += len(chunk)
+            c.kept += int(kept.sum())
+            c.tokens += int(tokens.size)
+            if kept.all():
+                continue
+            for j in (~kept).nonzero()[0].tolist():
+                reason = res.status[j]
+                c.reject(reason)
+                text, fpath, line = chunk[j]
+                writer.reject(text, reason, fpath, line)
+    except BaseException:
+        writer.abort()
+        raise
+    c.errors = dict(errors or {})
+    return c, writer
+
+
+def collect_rejects(workdir: Path, parts: int, target: str | None) -> None:
+    """Concatenate the parts' rejects into ``target`` (atomically)."""
+    if target is None:
+        return
+    tmp = Path(f"{target}.tmp")
+    with open(tmp, "wb") as out:
+        for k in range(parts):
+            p = Path(f"{part_prefix(workdir, k)}.rejects.jsonl")
+            if p.is_file():
+                out.write(p.read_bytes())
+    tmp.replace(target)

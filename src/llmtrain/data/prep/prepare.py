@@ -1,0 +1,281 @@
+"""``llmtrain prepare``: raw text -> cleaned, filtered, deduplicated, tokenized, packed Megatron shards.
+
+    llmtrain prepare --input PATHS... --output PREFIX (--tokenizer FILE | --train-tokenizer VOCAB_SIZE)
+        [--config RUN.yaml] [--clean] [--filter] [--dedup none|exact|near] [--pack concat|bestfit]
+        [--seq-length T] [--num-shards N] [--workers N] [--on-error raise|skip] [--rejects FILE]
+        [--partition I/N] [--text-key text] [--eos-token TOKEN] [--max-documents N] [--overwrite]
+
+Stages, each switchable (``data.prepare`` in a run config, or the flags; see ``pipeline.PrepareOptions``)::
+
+    read (readers) -> clean (clean) -> quality filters (filters) -> tokenize      [worker processes]
+      -> exact + near dedup (dedup.DedupIndex) -> part files                       [main process, input order]
+      -> pack (pack) -> N shards + manifest + report (shards.write_dataset)         [at the end, or in merge]
+
+Workers receive chunks of documents and return arrays; chunks are consumed in submission order with at most
+``2 N`` in flight, so the output is byte-identical for any ``--workers`` and memory is bounded (the dedup
+index grows by ~1.5 KB per kept document; bestfit packs buffers of 4M tokens). Threads: each worker process
+runs the tokenizer single-threaded (``TOKENIZERS_PARALLELISM=false``), so ``--workers N`` uses N cores;
+``--workers 1`` tokenizes in-process with the library's own thread pool.
+
+Resumable and atomic: every input file becomes a finished *part* in ``.PREFIX.work/`` (``shards``); a killed
+run rerun with the same arguments skips finished parts (the dedup index is rebuilt from their signatures). The
+final shards and manifest are renamed into place, manifest last. An input error (``--on-error raise``)
+removes the work folder and leaves any previous dataset at PREFIX untouched; ``--on-error skip`` counts it.
+
+``--partition I/N`` processes every N-th document (by position among all non-blank input records) into
+``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions in
+order, removing duplicates across partitions (phase 2 of the two-phase dedup), and packs and shards them.
+
+This module is the command: its flags, the :class:`~llmtrain.data.prep.job.PrepareJob` they make, the resume
+check against an existing output, and the final write. The job and its counters are in ``job``, the document
+loop (chunks, worker pool, dedup decisions, part writing) in ``parts``, tokenizer training in
+``tokenizer_training``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import shutil
+import time
+from collections.abc import Callable
+from multiprocessing.pool import Pool
+from pathlib import Path
+
+import yaml
+
+from llmtrain.data.indexed import optimal_dtype
+from llmtrain.data.manifest import manifest_path, read_manifest, tokenizer_copy_name, write_json_atomic
+from llmtrain.data.prep.job import Partition, PrepareJob, stage_report
+from llmtrain.data.prep.parts import collect_rejects, run_parts, start_pool
+from llmtrain.data.prep.pipeline import PrepareOptions, cached_tokenizer, options_from
+from llmtrain.data.prep.readers import expand_inputs, iter_documents
+from llmtrain.data.prep.shards import iter_part_batches, write_dataset
+from llmtrain.data.prep.tokenizer_training import TRAINED_EOS, train_on_documents
+from llmtrain.data.samples import digest
+from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
+from llmtrain.errors import ConfigError, DataError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the ``prepare`` subcommand (flags override the ``data.prepare`` section of ``--config``)."""
+    a = parser.add_argument
+    a(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="jsonl/txt/parquet files (.gz/.zst), globs, dirs",
+    )
+    a("--output", required=True, metavar="PREFIX", help="writes PREFIX[_NNNNN].bin/.idx, manifest, report")
+    a("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) or .model (SentencePiece)")
+    a(
+        "--train-tokenizer",
+        type=int,
+        metavar="VOCAB_SIZE",
+        help="train a byte-level BPE on the inputs instead",
+    )
+    a("--config", metavar="YAML", help="run config whose data.prepare section sets the stages")
+    a("--text-key", default="text", help="JSON field / parquet column holding the text (default: text)")
+    a("--workers", type=int, default=1, help="worker processes (default: 1)")
+    a("--eos-token", help="token appended after each document (default: the tokenizer's EOS)")
+    a("--max-documents", type=int, help="stop after this many input documents")
+    a("--clean", action="store_true", default=None, help="normalize Unicode, control chars, whitespace")
+    a("--mojibake", action="store_true", default=None, help="also repair UTF-8 decoded as cp1252")
+    a("--filter", action="store_true", default=None, help="Gopher quality/repetition filters")
+    a("--dedup", choices=["none", "exact", "near"], help="deduplication (default: none)")
+    a("--pack", choices=["concat", "bestfit"], help="packing (default: concat)")
+    a("--seq-length", type=int, help="sample length to pack for (default: 2048)")
+    a("--num-shards", type=int, help="number of .bin/.idx shards (default: 1)")
+    a("--on-error", choices=["raise", "skip"], help="malformed input: stop with an error, or skip and count")
+    a("--rejects", metavar="FILE", help="write rejected documents with reasons to this jsonl file")
+    a(
+        "--partition",
+        metavar="I/N",
+        help="process partition I of N (0-based); join them with `llmtrain merge`",
+    )
+    a("--overwrite", action="store_true", help="replace an existing dataset made with another tokenizer")
+
+
+FLAG_OPTIONS = ("text_key", "clean", "mojibake", "filter", "dedup", "pack", "seq_length", "num_shards",
+                "on_error", "rejects")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``prepare`` from parsed flags; returns the exit code."""
+    section: dict = {}
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+        section = dict((raw.get("data") or {}).get("prepare") or {})
+    for name in FLAG_OPTIONS:
+        if name == "text_key" and args.text_key == "text" and "text_key" in section:
+            continue  # the flag's default does not override the config
+        if getattr(args, name, None) is not None:
+            section[name] = getattr(args, name)
+    prepare(
+        inputs=args.input,
+        output=args.output,
+        tokenizer=args.tokenizer,
+        train_tokenizer=args.train_tokenizer,
+        workers=args.workers,
+        eos_token=args.eos_token,
+        max_documents=args.max_documents,
+        options=options_from(section),
+        partition=parse_partition(args.partition) if args.partition else None,
+        overwrite=args.overwrite,
+    )
+    return 0
+
+
+def parse_partition(text: str) -> Partition:
+    """``"I/N"`` -> Partition(I, N); ConfigError unless 0 <= I < N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ConfigError(f"--partition {text!r}: expected I/N with 0 <= I < N, for example 0/4.")
+    return Partition(i, n)
+
+
+def prepare(
+    inputs: list[str],
+    output: str,
+    tokenizer: str | None = None,
+    train_tokenizer: int | None = None,
+    text_key: str | None = None,
+    workers: int = 1,
+    eos_token: str | None = None,
+    max_documents: int | None = None,
+    log: Callable[[str], None] | None = print,
+    options: PrepareOptions | dict | None = None,
+    partition: tuple[int, int] | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Turn ``inputs`` into the dataset ``output`` (a prefix); returns its manifest (or, with ``partition``, the
+    partition's summary). See the module docstring for the stages, resume and partitions."""
+    opts = options_from(options)
+    if text_key is not None:
+        opts = dataclasses.replace(opts, text_key=text_key)
+    job = PrepareJob(
+        inputs=tuple(str(i) for i in inputs),
+        output=str(output),
+        options=opts,
+        tokenizer=tokenizer,
+        train_tokenizer=train_tokenizer,
+        eos_token=eos_token,
+        workers=workers,
+        max_documents=max_documents,
+        partition=Partition(*partition) if partition is not None else None,
+        overwrite=overwrite,
+        log=log,
+    )
+    pool = start_pool(job)
+    try:
+        return _prepare(job, pool)
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+def _prepare(job: PrepareJob, pool: Pool | None) -> dict:
+    """Run ``job`` (its worker pool already started): resume check, parts, then the dataset or partition."""
+    start = time.perf_counter()
+    output, opts = job.output, job.options
+    files = expand_inputs(list(job.inputs))
+    given = None  # the given tokenizer, loaded first: a bad file fails before anything is written
+    if job.tokenizer is not None:
+        given = cached_tokenizer(job.tokenizer, job.eos_token)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    identity = job.identity(files, given.sha256 if given is not None else None)
+    key = digest(identity)
+    if job.partition is None and manifest_path(output).is_file():
+        old = read_manifest(output)
+        if old.get("prepare", {}).get("key") == key:
+            job.say(f"prepare: {output} is already complete for these arguments; nothing to do")
+            return old
+        new_sha = identity["tokenizer"]
+        if new_sha and old["tokenizer"].get("sha256") != new_sha and not job.overwrite:
+            raise DataError(
+                f"Output '{output}' already holds a dataset made with another tokenizer (sha256 "
+                f"{str(old['tokenizer'].get('sha256'))[:12]}, this run's is {new_sha[:12]}); shards of two "
+                f"tokenizers must not mix. Choose another --output, or pass --overwrite to replace it."
+            )
+    workdir = job.workdir
+    state = workdir / "state.json"
+    if workdir.exists() and (not state.is_file() or json.loads(state.read_text()).get("key") != key):
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(state, {"key": key, "identity": identity})
+    try:
+        tok = given or _tokenizer(job, files, workdir)
+        counters = run_parts(job, files, tok, pool)
+        report = stage_report(counters, opts)
+        if report["stages"]["tokenize"]["out"] == 0:
+            raise DataError(
+                f"No documents found in the inputs ({', '.join(map(str, job.inputs))}): every file was empty, "
+                f"every document was removed by the filters or dedup, or a directory held no .jsonl/.txt/.parquet "
+                f"files."
+            )
+        extra = {"inputs": [str(f) for f in files], "prepare": {"key": key, "options": opts.identity()},
+                 "report": report}  # fmt: skip
+        if job.partition is not None:
+            summary = {**extra, "partition": list(job.partition), "parts": len(files),
+                       "tokenizer": _tok_entry(tok, output), "tokenizer_copy": Path(tok.path).name}  # fmt: skip
+            if Path(tok.path).parent != workdir:
+                shutil.copyfile(tok.path, workdir / Path(tok.path).name)
+            write_json_atomic(workdir / "done.json", summary)
+            job.say(f"prepare: partition {job.partition.index}/{job.partition.count} done -> {workdir}")
+            return summary
+        manifest = write_dataset(
+            output,
+            iter_part_batches(workdir, len(files)),
+            optimal_dtype(tok.vocab_size),
+            opts.pack,
+            opts.seq_length,
+            opts.num_shards,
+            _tok_entry(tok, output),
+            Path(tok.path),
+            extra,
+        )
+        collect_rejects(workdir, len(files), opts.rejects)
+    except DataError:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
+    secs = time.perf_counter() - start
+    job.say(
+        f"prepare: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']}) "
+        f"from {len(files)} file(s) in {secs:.1f}s -> {output} ({len(manifest['shards'])} shard(s)); "
+        f"report: {output}.report.txt"
+    )
+    return manifest
+
+
+def _tok_entry(tok: Tokenizer, output: str) -> dict:
+    return {
+        "file": tokenizer_copy_name(output, tok.path),
+        "kind": tok.kind,
+        "sha256": tok.sha256,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "bos_id": tok.bos_id,
+    }
+
+
+def _tokenizer(job: PrepareJob, files: list[Path], workdir: Path) -> Tokenizer:
+    """The tokenizer trained on the inputs (``--train-tokenizer``), kept in ``workdir`` for a resumed run."""
+    trained = workdir / "trained.tokenizer.json"
+    if not trained.is_file():
+        job.say(
+            f"prepare: training a byte-level BPE tokenizer of {job.train_tokenizer} entries on the inputs"
+        )
+        tmp = workdir / ".trained.tmp.json"
+        texts = itertools.islice(iter_documents(files, job.options.text_key), job.max_documents)
+        train_on_documents(texts, job.train_tokenizer, str(tmp))
+        tmp.replace(trained)
+    eos = job.eos_token if job.eos_token not in (None, TRAINED_EOS) else TRAINED_EOS
+    return load_tokenizer(str(trained), eos)
