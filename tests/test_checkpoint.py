@@ -272,7 +272,7 @@ def test_rotation_keeps_newest_and_wall_clock_saves(tmp_path):
 # ----------------------------------------------------------------------------- issue 5: checksums while writing
 import hashlib  # noqa: E402
 
-import llmtrain.train.checkpoint as ckpt_mod  # noqa: E402
+import llmtrain.train.checkpoint.integrity as ckpt_mod  # noqa: E402
 
 
 def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):

@@ -13,6 +13,10 @@ devices with a YAML file in the same layout (``llmtrain plan --catalog FILE``). 
   value (:data:`DEFAULT_MATMUL_EFFICIENCY`) applies, so published figures are never fitted per device.
 
 :func:`parse_cluster` reads the ``--cluster NxDEVICE[@NODES]`` spelling (``32x910b@4``, ``8xh100``).
+
+:meth:`Catalog.match` also knows the names runtimes report (``torch.cuda.get_device_name``:
+``NVIDIA A100-SXM4-40GB`` -> ``a100-40gb``; torch_npu: ``Ascend910B3`` -> ``ascend-910b``; see
+:data:`RUNTIME_NAMES`), so ``llmtrain.plan.peak.peak_tflops`` gives the trainer's MFU the planner's figures.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -103,6 +108,18 @@ class Catalog:
             )
         return self.devices[key]
 
+    def match(self, name: str) -> Device | None:
+        """The device a catalog name (``h100``, ``910b``) or a runtime's device name (``NVIDIA A100-SXM4-80GB``,
+        ``Ascend910B3``) stands for; None when neither the catalog nor :data:`RUNTIME_NAMES` knows it."""
+        key = name.strip().lower()
+        key = self.aliases.get(key, key)
+        if key in self.devices:
+            return self.devices[key]
+        for pattern, target in RUNTIME_NAMES:
+            if re.search(pattern, key) and target in self.devices:
+                return self.devices[target]
+        return None
+
 
 def load_catalog(extra: str | Path | None = None) -> Catalog:
     """The built-in catalog, updated with the devices and aliases of ``extra`` (a user YAML file) if given."""
@@ -185,3 +202,24 @@ def parse_cluster(spec: str, catalog: Catalog) -> Cluster:
             f"{device.devices_per_node}; use @{math.ceil(n / device.devices_per_node)} nodes or more."
         )
     return Cluster(device=device, num_devices=n, num_nodes=nodes)
+
+
+# ----------------------------------------------------------------------------- the device a run trains on
+RUNTIME_NAMES: tuple[tuple[str, str], ...] = (
+    (r"\ba100\b.*\b40\s*gb\b", "a100-40gb"),
+    (r"\ba100\b", "a100-80gb"),
+    (r"\bh100\b.*\b96\s*gb\b", "h100-96gb"),
+    (r"\bh100\b", "h100"),  # PCIe / NVL parts (lower peaks) take the SXM figure: set logging.peak_tflops
+    (r"\bg?h200\b", "h200"),  # GH200's GPU has the H100/H200 peak
+    (r"\bb200\b", "b200"),
+    (r"ascend\s*910\s*b", "ascend-910b"),  # torch_npu: Ascend910B1..B4
+    (r"ascend\s*910_?93", "ascend-910c"),  # torch_npu: Ascend910_93xx (910C / Atlas A3)
+    (r"ascend\s*910", "ascend-910a"),
+)
+"""(regex on the lower-cased name a runtime reports, catalog device); the first that matches wins."""
+
+
+@lru_cache(maxsize=1)
+def builtin_catalog() -> Catalog:
+    """The built-in catalog, parsed once per process (do not mutate it; ``load_catalog()`` gives a fresh one)."""
+    return load_catalog()

@@ -11,26 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from llmtrain.config.schema import LoggingConfig
 from llmtrain.errors import ConfigError
-
-# Peak dense bf16/fp16 FLOP/s per device used for MFU when logging.peak_tflops is not set (vendor datasheets).
-PEAK_TFLOPS = {"cuda": 989.0, "npu": 313.0, "cpu": 1.0}
-
-
-def memory_bytes(device_type: str) -> int:
-    """Peak memory of this process: max allocated on an accelerator, peak RSS on the CPU."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def truncate_after(path: Path, step: int) -> None:

@@ -30,12 +30,12 @@ def load_for_generation(run_dir: str | Path):
     from llmtrain.data.manifest import read_manifest, tokenizer_path
     from llmtrain.data.tokenizer import load_tokenizer
     from llmtrain.models import build_model
-    from llmtrain.train.checkpoint import MARKER, Checkpointer, load_model_weights
+    from llmtrain.train.checkpoint import Checkpointer, is_committed, load_model_weights, run_dir_of
 
     path = Path(run_dir)
     ckpt = None
-    if (path / MARKER).exists():  # a checkpoint directory: RUN_DIR/checkpoints/step_N
-        ckpt, path = path, path.parent.parent
+    if is_committed(path):  # a checkpoint directory: RUN_DIR/checkpoints/step_N
+        ckpt, path = path, run_dir_of(path)
     if not (path / "config.yaml").exists():
         raise CheckpointError(
             f"{run_dir}: no config.yaml here; pass a run directory written by `llmtrain train`."
@@ -43,9 +43,11 @@ def load_for_generation(run_dir: str | Path):
     cfg, _ = load_config(path / "config.yaml")
     cfg.run.output_dir = str(path)
     cfg.checkpoint.resume = "auto"
-    ckpt = ckpt or Checkpointer(cfg.checkpoint, path).latest()
     if ckpt is None:
-        raise CheckpointError(f"{path}: no committed checkpoint under {path / 'checkpoints'}.")
+        checkpointer = Checkpointer(cfg.checkpoint, path)
+        ckpt = checkpointer.latest()
+        if ckpt is None:
+            raise CheckpointError(f"{path}: no committed checkpoint under {checkpointer.dir}.")
     prefix = cfg.data.datasets[0].path
     manifest = read_manifest(prefix)
     tok = load_tokenizer(str(tokenizer_path(prefix)))

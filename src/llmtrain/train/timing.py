@@ -24,8 +24,8 @@ also records a CUDA event on the current stream and the events are resolved (one
 :class:`ProfilerWindow` runs ``torch.profiler`` for ``logging.profile_steps`` steps every
 ``logging.profile_every`` steps, writes a chrome trace to ``<run_dir>/profile/`` and a JSON summary of the
 time spent in collective ops (gloo/nccl/c10d kernels, by op name; process groups cannot be told apart in the
-profiler's aggregate, so "by group" is by op name). :func:`memory_stats` gives current and peak memory and the
-peak as a fraction of the device's capacity.
+profiler's aggregate, so "by group" is by op name). :func:`memory_stats` is the one source of the memory fields of
+a metrics row: current and peak memory, capacity, and the peak as a fraction of the capacity.
 """
 
 from __future__ import annotations
@@ -152,10 +152,14 @@ def _device_module(device_type: str) -> Any:
 
 
 def memory_stats(device_type: str) -> dict[str, float]:
-    """Current and peak bytes of this process on its device, capacity, and peak / capacity.
+    """The memory fields of a metrics row: current and peak bytes of this process on its device, capacity, and
+    peak / capacity.
 
     Accelerators (cuda, npu): allocated / max allocated by the caching allocator, capacity from mem_get_info.
-    CPU: resident set size (/proc/self/statm) and peak RSS (getrusage), capacity = physical RAM.
+    CPU (and an accelerator type whose runtime is not available): resident set size (/proc/self/statm) and peak
+    RSS (getrusage), capacity = physical RAM. Fields: ``memory_current_bytes``, ``memory_peak_bytes``,
+    ``memory_bytes`` (the peak again, the row's historical name for it), and when the capacity is known
+    ``memory_capacity_bytes`` and ``memory_frac``.
     """
     mod = _device_module(device_type)
     if mod is not None:
@@ -173,7 +177,7 @@ def memory_stats(device_type: str) -> dict[str, float]:
         peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         peak = max(peak, current)
         capacity = page * os.sysconf("SC_PHYS_PAGES")
-    out: dict[str, float] = {"memory_current_bytes": current, "memory_peak_bytes": peak}
+    out: dict[str, float] = {"memory_current_bytes": current, "memory_peak_bytes": peak, "memory_bytes": peak}
     if capacity > 0:
         out["memory_capacity_bytes"] = capacity
         out["memory_frac"] = peak / capacity

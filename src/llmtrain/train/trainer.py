@@ -1,53 +1,38 @@
 """The training loop, readable top to bottom.
 
-``Trainer(cfg)`` builds everything from the config (data, model on the meta device then materialized with a
-seeded init, optimizer, LR schedule, loss scaler, checkpointer, metrics) and resumes from a checkpoint when
-``checkpoint.resume`` says so; ``fit()`` runs the steps. One step::
+``Trainer(cfg)`` gets its parts from :func:`llmtrain.train.build.build_run` (process group, data, the resolved
+run, model parallelized from outside, optimizer, batches, checkpointer ...) and resumes from a checkpoint when
+``checkpoint.resume`` says so; ``fit()`` runs the steps. A step's numbers are :class:`~llmtrain.train.step.
+TrainStep`'s business (forward, loss normalised by the global batch's tokens, backward, clipping, optimizer).
+Around each step the callbacks of train/callbacks.py do the rest — profiler, hang watchdog, metrics rows and
+the per-rank figures, validation, stage switches, checkpoint timing, preemption — in a fixed order on every
+rank. The stability guard stays in the loop because it changes the control flow: after each step it decides
+ok / skip / rollback / give up (a rollback restores the newest good state and skips the data window of the
+spike). Every decision goes to ``<run_dir>/events.jsonl``.
 
-    lr <- schedule(step)
-    for each micro-batch of this rank:  loss_sum / tokens_in_global_batch -> (scaled) backward
-    unscale -> global grad norm (pre-clip, logged) -> skip the step if not finite, else clip + optimizer step
-
-The loss is normalised by the number of target tokens of the whole global batch (not averaged per micro-batch),
-so gradient accumulation and data parallelism compute exactly the single-process gradient. After each step
-the stability guard decides ok / skip / rollback / give up (a rollback restores the newest good state and
-skips the data window of the spike). Validation, checkpointing (sync or async, with a host copy for fast
-rollbacks), fault injection, preemption and the hang watchdog are components called from the loop; every
-decision goes to ``<run_dir>/events.jsonl``.
+The config is never modified: ``self.cfg`` is the resolved run's config (``train.max_steps`` is the run's real
+length) and ``self.stage_cfg`` the active stage's (the same object in a one-stage run).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from llmtrain.config import config_to_dict, derive, save_config
+from llmtrain.config import config_to_dict, derive
 from llmtrain.config.schema import Config
-from llmtrain.config.stages import SINGLE_STAGE, StagedLR, StagePlan, resolve_stages
-from llmtrain.data.loader import BatchIterator, build_datasets
-from llmtrain.data.manifest import read_manifest
-from llmtrain.distributed.device import init_distributed, resolve_device
-from llmtrain.distributed.parallelize import parallelize
+from llmtrain.config.stages import SINGLE_STAGE, StagePlan
 from llmtrain.errors import LLMTrainError
-from llmtrain.models import build_model
-from llmtrain.models.common.moe import MoEStepStats
-from llmtrain.train.checkpoint import Checkpointer
-from llmtrain.train.curriculum import Curriculum, recompute_superset, set_recompute
-from llmtrain.train.fault import FaultInjector, HangWatchdog, PreemptionHandler
-from llmtrain.train.metrics import PEAK_TFLOPS, MetricsLogger, memory_bytes, plot_losses
-from llmtrain.train.optim import build_optimizer
-from llmtrain.train.precision import LossScaler, autocast, grad_norm_
-from llmtrain.train.schedule import build_lr_schedule
-from llmtrain.train.stability import EventLog, HostSnapshot, StabilityGuard
-from llmtrain.train.straggler import StragglerMonitor
-from llmtrain.train.timing import ProfilerWindow, StepTimer, busy_seconds, memory_stats, split_fractions
+from llmtrain.plan.peak import peak_tflops
+from llmtrain.train.build import build_run
+from llmtrain.train.callbacks import Callback, default_callbacks
+from llmtrain.train.checkpoint import step_dir, step_of
+from llmtrain.train.curriculum import set_recompute
+from llmtrain.train.metrics import MetricsLogger, plot_losses
 
 
 class TrainingDiverged(LLMTrainError):
@@ -63,364 +48,145 @@ def config_hash(cfg_dict: dict) -> str:
 class Trainer:
     """The trainer: one process of a run (alone, or one rank under torchrun)."""
 
-    def __init__(self, cfg: Config, notes: list[str] | None = None):
-        self.cfg = cfg
-        self.device = resolve_device(cfg.run.device_target)
-        self.device_type = self.device.type
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
-        self.world_size = init_distributed(self.device_type, cfg.run.dist_timeout_s)
-        self.rank = dist.get_rank() if self.world_size > 1 else 0
-        self.run_dir = Path(cfg.run.output_dir)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
-
-        # Data first: the tokenizer fixes the vocabulary when the config leaves it open.
-        # The stage plan, resolved once from the config as written (a fraction is of the configured
-        # train.max_steps, which is then replaced by the plan's total); data.datasets defaults to stage 0's mix.
-        stages = resolve_stages(cfg) if cfg.stages else None
-        self.train_samples, self.valid_samples = build_datasets(cfg)
-        manifest = read_manifest(cfg.data.datasets[0].path)
-        self.eos_id = manifest["tokenizer"]["eos_id"]
-        self.derived = derive(cfg, world_size=self.world_size, vocab_size=manifest["tokenizer"]["vocab_size"])
-        d = self.derived
-        notes = list(notes or [])
-        if stages is not None:  # the stage plan fixes the run's length
-            total = stages[1][-1].end_step
-            if total != cfg.train.max_steps:
-                notes.append(f"stages: {total} steps in all (train.max_steps was {cfg.train.max_steps}).")
-            cfg.train.max_steps = total
-        elif cfg.train.epochs:  # the seed's epoch count caps the run (max_steps still applies)
-            epoch_steps = max(cfg.train.epochs * len(self.train_samples) // d.global_batch, 1)
-            if epoch_steps < cfg.train.max_steps:
-                notes.append(
-                    f"train.epochs {cfg.train.epochs} caps the run at {epoch_steps} steps "
-                    f"(train.max_steps was {cfg.train.max_steps})."
-                )
-                cfg.train.max_steps = epoch_steps
-
-        # Layout: one mesh per parallel dimension; this rank's data-parallel slice.
-        dims = d.dims
-        meshes = dims.build_meshes(self.device_type) if self.world_size > 1 else None
-        self.dp_group = meshes["dp"].get_group() if meshes and dims.dp > 1 else None
-        self.dp_rank = meshes["dp"].get_local_rank() if self.dp_group is not None else 0
-        self.dp_size = dims.dp
-
-        # Model: built on meta, parallelized from outside, materialized on the device, seeded init.
-        layout_cfg = recompute_superset(cfg, stages)  # stages that switch recompute: every block wrapped once
-        self.model = build_model(d.model_args, device="meta")
-        self.pipeline = (
-            None  # pipeline parallel: self.model is this rank's pruned model (distributed/pipeline.py)
+    def __init__(self, cfg: Config, notes: list[str] | None = None, callbacks: list[Callback] | None = None):
+        parts = build_run(cfg)
+        self.run = parts.run
+        self.cfg = self.stage_cfg = parts.run.cfg
+        self.derived = parts.run.derived
+        self.device, self.world_size, self.rank, self.run_dir = (
+            parts.device,
+            parts.world_size,
+            parts.rank,
+            parts.run_dir,
         )
-        if dims.pp > 1:
-            from llmtrain.distributed.pipeline import PipelineRunner
-
-            self.pipeline = PipelineRunner(layout_cfg, dims, meshes, self.model, self.device, self.loss_fn)
-            self.model, self.fsdp = self.pipeline.model, self.pipeline.fsdp
-        else:
-            self.fsdp = parallelize(
-                self.model, layout_cfg, dims, meshes["world"] if meshes else None, self.device_type
-            )
-        self.model.to_empty(device=self.device)
-        self.model.init_weights(seed=cfg.train.seed)
-        # FSDP averages gradients over the data-parallel ranks; the loss is pre-multiplied to undo it.
-        self.grad_scale = float(self.dp_size) if self.fsdp else 1.0
-        # MoE: aux-loss gradient scale per micro-batch, load figures, aux-free bias (models/common/moe.py).
-        self.moe = MoEStepStats(d.model_args.bias_update_rate) if d.model_args.num_experts else None
-
-        self.optimizer = build_optimizer(self.model, cfg.train, self.device_type)
-        self.lr_at = build_lr_schedule(cfg.train)
-        self.scaler = LossScaler.from_config(cfg.train)
-        self.base_cfg = cfg
-        self.curriculum = Curriculum(cfg, stages, self.dp_rank, self.dp_size) if stages else None
-        if self.curriculum is not None:
-            self.lr_at = StagedLR(
-                self.curriculum.plans, cfg.train.warmup_steps, cfg.train.lr, cfg.train.wsd_decay_fraction
-            )
-        else:
-            self.batches = BatchIterator(
-                self.train_samples, d.global_batch, d.micro_batch_size, self.dp_rank, self.dp_size
-            )
-        self.step = 0
-        self.tokens_seen = 0
-        # Monitoring (train/timing.py, train/straggler.py): phase timer, per-rank figures, profiler window.
-        self.timer = StepTimer(self.device)
-        log = cfg.logging
-        self.stragglers = StragglerMonitor(
-            self.world_size, self.device, log.straggler_margin, log.straggler_patience
+        self.train_samples, self.valid_samples, self.eos_id = (
+            parts.train_samples,
+            parts.valid_samples,
+            parts.eos_id,
         )
-        self.profiler = ProfilerWindow(
-            self.run_dir, self.rank, log.profile_every, log.profile_steps, self.device_type
-        )
-
-        # Survival: stability guard, fault injection (drills), checkpoints with fallback to the previous one.
-        self.events = EventLog(self.run_dir, echo=None, enabled=self.rank == 0)
-        self.guard = StabilityGuard(cfg.stability)
+        self.dp_rank, self.dp_size = parts.dp_rank, parts.dp_size
+        self.model, self.pipeline, self.fsdp = parts.model, parts.pipeline, parts.fsdp
+        self.optimizer, self.lr_at, self.scaler = parts.optimizer, parts.lr_at, parts.scaler
+        self.curriculum, self.batches, self.step_fn = parts.curriculum, parts.batches, parts.step_fn
+        self.timer, self.stragglers, self.profiler = parts.timer, parts.stragglers, parts.profiler
+        self.events, self.guard, self.snapshot = parts.events, parts.guard, parts.snapshot
+        self.faults, self.checkpointer = parts.faults, parts.checkpointer
+        self.callbacks = default_callbacks() if callbacks is None else callbacks
+        self.step, self.tokens_seen = 0, 0
+        self.saved_step: int | None = None  # the step of the newest save started by this process
+        self.preempted: str | None = None  # set by the preemption callback: the signal received
+        self.last_val: dict = {}
         self.stage_name = SINGLE_STAGE
         self._stage_losses: list[float] = []  # first and latest loss of the active stage
         self._stage_t0 = time.time()
         if self.curriculum is not None:
-            self._enter_stage(self.curriculum.plan)
-        self.snapshot = HostSnapshot(int(cfg.stability.snapshot_max_gb * 2**30))
-        self.faults = FaultInjector(cfg.fault, self.run_dir, self.rank, d.model_args.vocab_size)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.device_type)
-        self.checkpointer.fault_hook = self.faults.during_save
-        choice = self.checkpointer.select_resume()
+            self.enter_stage(self.curriculum.plan, announce=False)
+
+        choice = parts.resume
         if choice.path is not None:
             self._load(choice.path)
         elif cfg.model.init_from:
             self._init_from(cfg.model.init_from)
         self.metrics = MetricsLogger(
-            self.run_dir,
-            cfg.logging,
-            cfg.train.max_steps,
-            self.step,
-            enabled=self.rank == 0,
-            run_config=config_to_dict(cfg) if cfg.logging.wandb else None,
-        )
+            self.run_dir, self.cfg.logging, self.max_steps, self.step, enabled=self.rank == 0,
+            run_config=config_to_dict(self.cfg) if self.cfg.logging.wandb else None,
+        )  # fmt: skip
         self.events.echo = self.metrics.message
-        for note in notes:
+        for note in [*(notes or []), *self.run.notes]:
             self.metrics.message(f"note: {note}")
         for message in choice.messages():
             self.events.write("checkpoint_fallback", reason=message)
         if choice.path is not None:
             self.events.write("resumed", step=self.step, path=str(choice.path))
             self._note_reshard()
-        self.peak_flops = (cfg.logging.peak_tflops or PEAK_TFLOPS.get(self.device_type, 1.0)) * 1e12
-
-    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks (identity on one rank)."""
-        if self.dp_group is not None:
-            with self.timer.phase("comm_dp"):
-                dist.all_reduce(t, group=self.dp_group)
-        return t
-
-    # ------------------------------------------------------------------ one step
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy (fp32); the caller divides by the global batch's target tokens."""
-        return F.cross_entropy(
-            logits.float().flatten(0, 1),
-            labels.flatten(),
-            reduction="sum",
-            ignore_index=-100,
-            label_smoothing=self.cfg.train.label_smoothing,
+        self.peak_flops = (
+            peak_tflops(self.device, self.cfg.train.precision, self.cfg.logging.peak_tflops) * 1e12
         )
 
-    def forward_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-        doc_ids = mb["document_ids"] if self.cfg.model.document_mask else None
-        pos_ids = mb["position_ids"] if self.cfg.model.document_mask else None
-        with autocast(self.cfg.train.precision, self.device_type):
-            logits = self.model(mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids)
-        return self.loss_fn(logits, mb["labels"])
-
-    def train_step(self) -> dict:
-        cfg = self.cfg.train
-        step = self.step + 1
-        lr = self.lr_at(step) * self.guard.lr_scale(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        timer = self.timer  # phases: train/timing.py (comm inside compute pauses compute)
-        with timer.phase("data"):
-            micro_batches = self.faults.before_step(step, self.batches.next_step())
-            local_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
-        n_tokens = int(self._dp_sum(torch.tensor(local_tokens, device=self.device)).item())
-        with timer.phase("compute"):
-            loss_sum = torch.zeros((), device=self.device)
-            if self.pipeline is not None:  # the schedule runs forward/backward of every micro-batch
-                scale = self.scaler.scale_loss(torch.tensor(self.grad_scale / n_tokens)).item()
-                loss_sum = self.pipeline.train_step(
-                    micro_batches, scale, lambda loss: self.faults.poison_loss(step, loss)
-                )
-                micro_batches = []
-            for mb in micro_batches:
-                if self.moe is not None:
-                    self.moe.start(self.model, mb, self.scaler.scale * (self.grad_scale / n_tokens))
-                loss = self.faults.poison_loss(step, self.forward_loss(mb))
-                if self.moe is not None:
-                    self.moe.end(self.model)
-                self.scaler.scale_loss(loss * (self.grad_scale / n_tokens)).backward()
-                loss_sum += loss.detach()
-            self.faults.after_backward(step, self.model)
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            self.scaler.unscale_(params)
-            with timer.phase("comm_norm" if self.world_size > 1 else "compute"):
-                pp_group = self.pipeline.pp_group if self.pipeline is not None else None
-                grad_norm = grad_norm_(params, cfg.grad_clip_norm, pp_group)
-            skipped = self.scaler.update(grad_norm)
-            if not skipped:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            moe = self.moe.finish(self.model, self._dp_sum, n_tokens, not skipped) if self.moe else {}
-        self.step += 1
-        self.tokens_seen += n_tokens
-        loss_value = self._dp_sum(loss_sum.float()).item() / n_tokens
-        timer.step_done()
-        return {
-            "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "tokens": n_tokens, **moe,
-        }  # fmt: skip
-
-    @torch.no_grad()
-    def validate(self) -> dict:
-        """Mean loss and perplexity over ``eval.eval_iters`` held-out micro-batches (same batches every time)."""
-        if len(self.valid_samples) == 0:
-            return {}
-        self.model.eval()
-        mbs = self.derived.micro_batch_size
-        # Under PP each eval iteration is one forward-only pass of the schedule over a whole global batch
-        # (the pipeline's fixed micro-batch shape): eval_iters then covers global_batch / (micro_batch_size x
-        # dp) times the sequences of the plain loop.
-        per_iter = self.derived.global_batch if self.pipeline is not None else mbs * self.dp_size
-        it = BatchIterator(self.valid_samples, per_iter, mbs, self.dp_rank, self.dp_size)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, target tokens]
-        for _ in range(self.cfg.eval.eval_iters):
-            step_mbs = it.next_step()
-            if self.pipeline is not None:
-                sums[0] += self.pipeline.eval_loss(step_mbs).double()
-                sums[1] += sum(int((mb["labels"] != -100).sum()) for mb in step_mbs)
-                step_mbs = []
-            for mb in step_mbs:
-                sums[0] += self.forward_loss(mb).double()
-                sums[1] += int((mb["labels"] != -100).sum())
-        self.model.train()
-        total, count = self._dp_sum(sums).tolist()
-        val_loss = total / max(count, 1)
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
-
-    def _log_validation(self) -> dict:
-        val = self.validate()
-        if val:
-            self.metrics.log({"step": self.step, **val})
-        return val
-
-    def _monitor_fields(self) -> dict:
-        """Metrics-row fields of a log step: the time split, memory, per-rank busy times (all ranks call it)."""
-        seconds = self.timer.collect()
-        mem = memory_stats(self.device_type)
-        with self.timer.phase("comm_ctrl"):
-            ranks = self.stragglers.gather(
-                self.step, busy_seconds(seconds), mem["memory_current_bytes"], mem["memory_peak_bytes"]
-            )
-        for found in ranks.stragglers:
-            self.events.write("straggler", **found)
-        steps = max(int(seconds.pop("steps")), 1)
-        return {
-            **split_fractions(seconds),
-            "time_phase_s": {k: v / steps for k, v in seconds.items()},
-            **mem,
-            "rank_step_time_s": ranks.step_time_s,
-            "rank_memory_peak_bytes": ranks.memory_peak_bytes,
-        }
+    @property
+    def max_steps(self) -> int:
+        return self.run.max_steps
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
-        cfg = self.cfg
-        max_steps, log_steps = cfg.train.max_steps, max(cfg.train.log_steps, 1)
-        last_val: dict = {}
-        if cfg.eval.at_start and self.step == 0:
-            last_val = self._log_validation()
         self.model.train()
-        preempt = PreemptionHandler().install()
-        watchdog = (
-            HangWatchdog(self.run_dir, self.rank, cfg.run.hang_timeout_s).start()
-            if cfg.run.hang_timeout_s
-            else None
-        )
-        t_last, tokens_last, step_last = time.time(), self.tokens_seen, self.step
         self.events.write(
-            "run_start", step=self.step, max_steps=max_steps, world_size=self.world_size,
+            "run_start", step=self.step, max_steps=self.max_steps, world_size=self.world_size,
             num_params=self.derived.num_params, layout=self.derived.dims.mesh_shape(),
-            hosts=self.stragglers.hosts, device=self.device_type,
+            hosts=self.stragglers.hosts, device=self.device.type,
         )  # fmt: skip
-        self.timer.reset()
-        c = self.curriculum
-        if c is not None and self.step == 0:  # later stages announce themselves at their boundary
-            self.events.write(
-                "stage_start", stage=c.plan.name, step=self.step, end_step=c.plan.end_step,
-                lr_end=c.plan.lr_end, mixture={p: w for p, w in zip(c.paths, c.plan.weights) if w > 0},
-            )  # fmt: skip
+        ok = False
         try:
-            while self.step < max_steps:
-                log_steps = max(self.cfg.train.log_steps, 1)  # a stage may change it
-                self.profiler.before_step(self.step + 1)
+            self._emit("run_start")
+            while self.step < self.max_steps and self.preempted is None:
+                self._emit("step_start", self.step + 1)
                 out = self.train_step()
-                profiled = self.profiler.after_step(self.step)
-                if profiled is not None:
-                    self.events.write("profile", step=self.step, trace=profiled["trace"],
-                                      collective_us_per_step=profiled["collective_us_per_step"])  # fmt: skip
-                if watchdog is not None:
-                    watchdog.beat(self.step)
+                self._emit("step_end", out)
                 decision = self.guard.observe(self.step, out["loss"], out["grad_norm"])
                 if not decision.ok:
                     self.events.write(
                         decision.action, step=self.step, reason=decision.reason, **decision.values
                     )
-                    if decision.action == "rollback":
-                        self._rollback(decision)
-                        t_last, tokens_last, step_last = time.time(), self.tokens_seen, self.step
-                        self.timer.reset()
-                        continue
                     if decision.action == "give_up":
                         raise TrainingDiverged(decision.reason)
+                    if decision.action == "rollback":
+                        self._rollback(decision)
+                        self._emit("rollback")
+                        continue
                 self._stage_losses = [*self._stage_losses[:1], out["loss"]]
-                if self.step % log_steps == 0 or self.step == max_steps:
-                    now = time.time()  # intervals run log block to log block (logging time included)
-                    dt = now - t_last
-                    tps = (self.tokens_seen - tokens_last) / max(dt, 1e-9)
-                    monitor = self._monitor_fields()  # a collective: every rank is here at this step
-                    self.metrics.log(
-                        {
-                            "step": self.step,
-                            "loss": out["loss"],
-                            "lr": out["lr"],
-                            "grad_norm": out["grad_norm"],
-                            "loss_scale": self.scaler.scale,
-                            "skipped_steps": self.scaler.skipped_steps,
-                            "tokens_per_s": tps,
-                            "mfu": self.derived.flops_per_token * tps / (self.peak_flops * self.world_size),
-                            "step_time_s": dt / max(self.step - step_last, 1),
-                            "tokens_seen": self.tokens_seen,
-                            "stage": self.stage_name,
-                            "consumed_tokens": self.consumed_tokens(),
-                            "memory_bytes": memory_bytes(self.device_type),
-                            **{k: v for k, v in out.items() if k.startswith("moe_")},
-                            **monitor,
-                        }
-                    )
-                    t_last, tokens_last, step_last = now, self.tokens_seen, self.step
-                if self.cfg.train.eval_steps and self.step % self.cfg.train.eval_steps == 0:
-                    last_val = self._log_validation()
-                if not self._stage_boundary() and self.checkpointer.should_save(self.step):
+                self._emit("step_done", out)
+            if self.preempted is not None:  # every rank agreed to stop after this step: save it, then return
+                if self.saved_step != self.step:
                     self.save()
-                committed = self.checkpointer.poll()
-                if committed is not None:
-                    self.events.write("checkpoint", step=int(committed.name[5:]), path=str(committed))
-                with self.timer.phase("comm_ctrl"):
-                    stop = preempt.should_stop()
-                if stop:
-                    self.save()
-                    self._wait_checkpoint()
-                    self.events.write("preempted", step=self.step, signal=str(preempt.received))
-                    self.metrics.close()
-                    return {"step": self.step, "preempted": True}
-            if self.step == max_steps:
-                self._stage_summary()
-            if not (self.cfg.train.eval_steps and self.step % self.cfg.train.eval_steps == 0):
-                last_val = self._log_validation()
-            self._wait_checkpoint()  # an async save of this very step may still be in flight
-            if cfg.checkpoint.save_at_end and self.checkpointer.latest() != self._ckpt_dir(self.step):
-                self.save()
-            self._wait_checkpoint()
+                self.wait_checkpoint()
+                self.events.write("preempted", step=self.step, signal=self.preempted)
+            else:
+                self._emit("train_end")
+            ok = True
         finally:
-            preempt.uninstall()
-            self.profiler.close()
-            if watchdog is not None:
-                watchdog.stop()
+            self._emit("close", ok)
         self.metrics.close()
-        if cfg.logging.plot and self.rank == 0:
+        if self.preempted is not None:
+            return {"step": self.step, "preempted": True}
+        if self.cfg.logging.plot and self.rank == 0:
             plot_losses(self.metrics.path, self.run_dir / "loss.png")
-        return {"step": self.step, **last_val}
+        return {"step": self.step, **self.last_val}
+
+    def _emit(self, hook: str, *args: object) -> None:
+        """Call ``hook`` of every callback, in order (every rank, same order: see train/callbacks.py)."""
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def train_step(self) -> dict:
+        """One optimizer step (train/step.py) at the schedule's learning rate (and the guard's factor)."""
+        step = self.step + 1
+        lr = self.lr_at(step) * self.guard.lr_scale(step)
+        out = self.step_fn.run(self.stage_cfg, step, lr, self.batches)
+        self.step += 1
+        self.tokens_seen += out["tokens"]
+        return out
+
+    def forward_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed token loss of one micro-batch (no backward)."""
+        return self.step_fn.forward_loss(self.stage_cfg, mb)
+
+    def validate(self) -> dict:
+        """Mean loss and perplexity over ``eval.eval_iters`` held-out micro-batches (same batches every time)."""
+        return self.step_fn.validate(
+            self.stage_cfg, self.derived, self.valid_samples, self.dp_rank, self.dp_size
+        )
+
+    def log_validation(self) -> dict:
+        val = self.validate()
+        if val:
+            self.log_row({"step": self.step, **val})
+            self.last_val = val
+        return val
+
+    def log_row(self, row: dict) -> None:
+        """Write a metrics row (rank 0's sinks) and tell the callbacks."""
+        self.metrics.log(row)
+        self._emit("log", row)
 
     def close(self, ok: bool) -> bool:
         """End of the run, finished or failed: the save in flight finished (``ok``) or abandoned, background
@@ -440,9 +206,9 @@ class Trainer:
             return self.curriculum.consumed_tokens()
         return dict(self.batches.consumed_tokens)
 
-    def _enter_stage(self, plan: StagePlan) -> None:
+    def enter_stage(self, plan: StagePlan, announce: bool = True) -> None:
         """Make ``plan``'s settings current: its config, batch arithmetic, batches, guard and recompute."""
-        self.cfg = plan.cfg
+        self.stage_cfg = plan.cfg
         self.stage_name = plan.name
         self.derived = derive(plan.cfg, self.world_size, vocab_size=self.derived.model_args.vocab_size)
         self.batches = self.curriculum.batches
@@ -450,23 +216,18 @@ class Trainer:
         if hasattr(self.model, "layers"):
             set_recompute(self.model, plan.cfg.recompute.mode, plan.cfg.recompute.every)
         self._stage_losses, self._stage_t0 = [], time.time()
+        if announce:
+            self.announce_stage(plan)
+            self._emit("stage_change", plan)
 
-    def _stage_boundary(self) -> bool:
-        """After the last step of a stage that is not the last: close it, start the next, checkpoint."""
+    def announce_stage(self, plan: StagePlan) -> None:
         c = self.curriculum
-        if c is None or self.step != c.plan.end_step or c.index == len(c.plans) - 1:
-            return False
-        self._stage_summary()
-        nxt = c.advance()
-        self._enter_stage(nxt)
         self.events.write(
-            "stage_start", stage=nxt.name, step=self.step, end_step=nxt.end_step, lr_end=nxt.lr_end,
-            mixture={p: w for p, w in zip(c.paths, nxt.weights) if w > 0},
+            "stage_start", stage=plan.name, step=self.step, end_step=plan.end_step, lr_end=plan.lr_end,
+            mixture={p: w for p, w in zip(c.paths, plan.weights) if w > 0},
         )  # fmt: skip
-        self.save()
-        return True
 
-    def _stage_summary(self) -> None:
+    def stage_summary(self) -> None:
         """The ``stage_end`` event and console line: tokens per dataset, first and last loss, time."""
         c = self.curriculum
         losses = self._stage_losses or [float("nan")]
@@ -478,8 +239,8 @@ class Trainer:
 
     def _rollback(self, decision) -> None:  # noqa: ANN001
         """Go back to the newest good state before the spike and skip the data window that caused it."""
-        self._wait_checkpoint()
-        available = [int(p.name[5:]) for p in self.checkpointer.committed()]
+        self.wait_checkpoint()
+        available = [step_of(p) for p in self.checkpointer.committed()]
         if self.snapshot.step is not None:
             available.append(self.snapshot.step)
         plan = self.guard.plan(decision, sorted(set(available)))
@@ -490,24 +251,19 @@ class Trainer:
         if self.snapshot.step == plan.restore_step:
             state, source = self.snapshot.restore(self.model, self.optimizer), "host memory"
         else:
-            path = self._ckpt_dir(plan.restore_step)
+            path = self.checkpoint_dir(plan.restore_step)
             state, source = self.checkpointer.load(path, self.model, self.optimizer), str(path)
         self._restore_trainer_state(state, guard=False)
         self.batches.consumed_samples += plan.skip_batches * self.derived.global_batch
         self.events.write(
-            "rollback_done",
-            step=self.step,
-            source=source,
-            skipped_batches=plan.skip_batches,
-            skipped_samples=plan.skip_batches * self.derived.global_batch,
-            lr_factor=plan.lr_factor,
-            lr_until_step=plan.lr_until_step,
-            detected_step=plan.detected_step,
-        )
+            "rollback_done", step=self.step, source=source, skipped_batches=plan.skip_batches,
+            skipped_samples=plan.skip_batches * self.derived.global_batch, lr_factor=plan.lr_factor,
+            lr_until_step=plan.lr_until_step, detected_step=plan.detected_step,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
-    def _ckpt_dir(self, step: int) -> Path:
-        return self.checkpointer.dir / f"step_{step:08d}"
+    def checkpoint_dir(self, step: int) -> Path:
+        return step_dir(self.checkpointer.dir, step)
 
     def trainer_state(self) -> dict:
         return {
@@ -516,28 +272,35 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "data": self.curriculum.state_dict() if self.curriculum else self.batches.state_dict(),
             "guard": self.guard.state_dict(),
-            "config_hash": config_hash(config_to_dict(self.base_cfg)),
+            "config_hash": config_hash(config_to_dict(self.cfg)),
             "world_size": self.world_size,
             "grad_accum": self.derived.grad_accum,
         }
 
-    def _wait_checkpoint(self) -> None:
+    def committed(self, path: Path) -> None:
+        """A checkpoint was committed: the event, and the callbacks' hook."""
+        step = step_of(path)
+        self.events.write("checkpoint", step=step, path=str(path))
+        self._emit("checkpoint", step, path)
+
+    def wait_checkpoint(self) -> None:
         """Wait for the asynchronous save in flight (if any); its commit goes to events.jsonl."""
         committed = self.checkpointer.wait()
         if committed is not None:
-            self.events.write("checkpoint", step=int(committed.name[5:]), path=str(committed))
+            self.committed(committed)
 
     def save(self) -> None:
         """Checkpoint now (in the background with checkpoint.async_save); keep a host copy for rollbacks."""
         state = self.trainer_state()
+        self.saved_step = self.step
         if self.cfg.checkpoint.async_save:
-            self._wait_checkpoint()  # one save in flight: the previous one commits first (and is logged)
+            self.wait_checkpoint()  # one save in flight: the previous one commits first (and is logged)
             self.checkpointer.save_async(self.step, self.model, self.optimizer, state)
         else:
             path = self.checkpointer.save(self.step, self.model, self.optimizer, state)
-            self.events.write("checkpoint", step=self.step, path=str(path))
+            self.committed(path)
             self.faults.after_save(self.step, path)
-        if self.cfg.stability.enabled and self.cfg.stability.snapshot_max_gb > 0:
+        if self.stage_cfg.stability.enabled and self.stage_cfg.stability.snapshot_max_gb > 0:
             self.snapshot.capture(self.step, self.model, self.optimizer, state)
 
     def _load(self, path: Path) -> None:
@@ -562,7 +325,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         if self.curriculum is not None:
             self.curriculum.load_state_dict(state["data"])
-            self._enter_stage(self.curriculum.plan)
+            self.enter_stage(self.curriculum.plan, announce=False)
         else:
             self.batches.load_state_dict(state["data"])
         if guard and "guard" in state:  # a rollback keeps the guard's memory of what happened

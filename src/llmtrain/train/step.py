@@ -1,0 +1,160 @@
+"""One optimizer step and validation: forward, loss, backward, clipping, the optimizer (OLMo-core's TrainModule).
+
+:class:`TrainStep` owns what touches the model's numbers; the loop (train/trainer.py) owns when. One step::
+
+    for each micro-batch of this rank:  loss_sum / tokens_in_global_batch -> (scaled) backward
+    unscale -> global grad norm (pre-clip, logged) -> skip the step if not finite, else clip + optimizer step
+
+The loss is normalised by the number of target tokens of the whole global batch (not averaged per micro-batch),
+so gradient accumulation and data parallelism compute exactly the single-process gradient. FSDP averages
+gradients over the data-parallel ranks, so the loss is pre-multiplied by their number (``grad_scale``) to undo
+it. Under pipeline parallelism the schedule runs forward and backward of every micro-batch itself
+(distributed/pipeline.py); with MoE the router's load figures and aux-free bias update ride along
+(models/common/moe.py). Settings a stage may change (label smoothing, precision, clipping, document masks)
+are read from the config passed in, so a stage switch is a different argument, not a mutation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llmtrain.config.derived import Derived
+from llmtrain.config.schema import Config
+from llmtrain.data.loader import BatchIterator
+from llmtrain.train.fault import FaultInjector
+from llmtrain.train.precision import LossScaler, autocast, grad_norm_
+from llmtrain.train.timing import StepTimer
+
+
+class TokenLoss:
+    """Summed token cross-entropy in fp32 (ignore index -100); the caller divides by the global batch's target
+    tokens. ``label_smoothing`` follows the active stage."""
+
+    def __init__(self, label_smoothing: float = 0.0):
+        self.label_smoothing = float(label_smoothing)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.float().flatten(0, 1),
+            labels.flatten(),
+            reduction="sum",
+            ignore_index=-100,
+            label_smoothing=self.label_smoothing,
+        )
+
+
+class TrainStep:
+    """Forward/backward/optimizer of one step and validation, for this rank's (parallelized) model."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: LossScaler,
+        loss: TokenLoss,
+        device: torch.device,
+        timer: StepTimer,
+        faults: FaultInjector,
+        *,
+        dp_group: Any,
+        pipeline: Any,
+        moe: Any,
+        grad_scale: float,
+        world_size: int,
+    ):
+        self.model, self.optimizer, self.scaler, self.loss_fn = model, optimizer, scaler, loss
+        self.device, self.timer, self.faults = device, timer, faults
+        self.dp_group, self.pipeline, self.moe = dp_group, pipeline, moe
+        self.grad_scale, self.world_size = grad_scale, world_size
+
+    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (identity on one rank)."""
+        if self.dp_group is not None:
+            with self.timer.phase("comm_dp"):
+                dist.all_reduce(t, group=self.dp_group)
+        return t
+
+    def forward_loss(self, cfg: Config, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.loss_fn.label_smoothing = float(cfg.train.label_smoothing)
+        mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+        doc_ids = mb["document_ids"] if cfg.model.document_mask else None
+        pos_ids = mb["position_ids"] if cfg.model.document_mask else None
+        with autocast(cfg.train.precision, self.device.type):
+            logits = self.model(mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids)
+        return self.loss_fn(logits, mb["labels"])
+
+    def run(self, cfg: Config, step: int, lr: float, batches: BatchIterator) -> dict:
+        """Take optimizer step ``step`` at learning rate ``lr`` on the next global batch of ``batches``."""
+        self.loss_fn.label_smoothing = float(cfg.train.label_smoothing)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        timer = self.timer  # phases: train/timing.py (comm inside compute pauses compute)
+        with timer.phase("data"):
+            micro_batches = self.faults.before_step(step, batches.next_step())
+            local_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        n_tokens = int(self.dp_sum(torch.tensor(local_tokens, device=self.device)).item())
+        with timer.phase("compute"):
+            loss_sum = torch.zeros((), device=self.device)
+            if self.pipeline is not None:  # the schedule runs forward/backward of every micro-batch
+                scale = self.scaler.scale_loss(torch.tensor(self.grad_scale / n_tokens)).item()
+                loss_sum = self.pipeline.train_step(
+                    micro_batches, scale, lambda loss: self.faults.poison_loss(step, loss)
+                )
+                micro_batches = []
+            for mb in micro_batches:
+                if self.moe is not None:
+                    self.moe.start(self.model, mb, self.scaler.scale * (self.grad_scale / n_tokens))
+                loss = self.faults.poison_loss(step, self.forward_loss(cfg, mb))
+                if self.moe is not None:
+                    self.moe.end(self.model)
+                self.scaler.scale_loss(loss * (self.grad_scale / n_tokens)).backward()
+                loss_sum += loss.detach()
+            self.faults.after_backward(step, self.model)
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            self.scaler.unscale_(params)
+            with timer.phase("comm_norm" if self.world_size > 1 else "compute"):
+                pp_group = self.pipeline.pp_group if self.pipeline is not None else None
+                grad_norm = grad_norm_(params, cfg.train.grad_clip_norm, pp_group)
+            skipped = self.scaler.update(grad_norm)
+            if not skipped:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            moe = self.moe.finish(self.model, self.dp_sum, n_tokens, not skipped) if self.moe else {}
+        loss_value = self.dp_sum(loss_sum.float()).item() / n_tokens
+        timer.step_done()
+        return {
+            "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "tokens": n_tokens, **moe,
+        }  # fmt: skip
+
+    @torch.no_grad()
+    def validate(self, cfg: Config, derived: Derived, valid_samples: Any, dp_rank: int, dp_size: int) -> dict:
+        """Mean loss and perplexity over ``eval.eval_iters`` held-out micro-batches (same batches every time)."""
+        if len(valid_samples) == 0:
+            return {}
+        self.loss_fn.label_smoothing = float(cfg.train.label_smoothing)  # the pipeline calls it directly
+        self.model.eval()
+        mbs = derived.micro_batch_size
+        # Under PP each eval iteration is one forward-only pass of the schedule over a whole global batch
+        # (the pipeline's fixed micro-batch shape): eval_iters then covers global_batch / (micro_batch_size x
+        # dp) times the sequences of the plain loop.
+        per_iter = derived.global_batch if self.pipeline is not None else mbs * dp_size
+        it = BatchIterator(valid_samples, per_iter, mbs, dp_rank, dp_size)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, target tokens]
+        for _ in range(cfg.eval.eval_iters):
+            step_mbs = it.next_step()
+            if self.pipeline is not None:
+                sums[0] += self.pipeline.eval_loss(step_mbs).double()
+                sums[1] += sum(int((mb["labels"] != -100).sum()) for mb in step_mbs)
+                step_mbs = []
+            for mb in step_mbs:
+                sums[0] += self.forward_loss(cfg, mb).double()
+                sums[1] += int((mb["labels"] != -100).sum())
+        self.model.train()
+        total, count = self.dp_sum(sums).tolist()
+        val_loss = total / max(count, 1)
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
