@@ -12,7 +12,10 @@ prints three blocks on stdout:
 
 The world size is ``--world-size``, else the ``WORLD_SIZE`` environment variable (set by torchrun), else the
 product of the configured degrees (tp x pp x cp x max(dp, 1)). Errors raise ConfigError/DataError; the CLI
-prints them as one paragraph and exits with code 2.
+prints them as one paragraph and exits with code 2. Layout refusals come from ``llmtrain.feasibility`` through
+``validate``, so their verdict and message are the ones ``train`` gives for the same config and world size
+(MoE with TP / PP, CPU offload without data parallel and the expert-parallel limits included, which
+``train`` used to refuse only after its process groups were up).
 """
 
 from __future__ import annotations
@@ -73,19 +76,16 @@ def main(args: argparse.Namespace) -> int:
 
 def resolve_world_size(cfg: Config, explicit: int | None) -> tuple[int, str]:
     """(world size, where it came from): --world-size, else $WORLD_SIZE, else the product of the degrees."""
-    if explicit is not None:
-        if explicit < 1:
-            raise ConfigError(f"--world-size must be >= 1, got {explicit}.")
+    if explicit is not None:  # < 1: refused by the feasibility rule world_size, with train's message
         return explicit, "--world-size"
     env = os.environ.get("WORLD_SIZE")
     if env:
         try:
-            value = int(env)
+            return int(env), "$WORLD_SIZE"  # read as `train` reads it (< 1: the same refusal)
         except ValueError:
-            value = 0
-        if value < 1:
-            raise ConfigError(f"the WORLD_SIZE environment variable is {env!r}; expected an integer >= 1.")
-        return value, "$WORLD_SIZE"
+            raise ConfigError(
+                f"the WORLD_SIZE environment variable is {env!r}; expected an integer >= 1."
+            ) from None
     p = cfg.parallel
     return default_world_size(p), (
         f"the degrees: tp {p.tensor_parallel} x pp {p.pipeline_parallel} x cp {p.context_parallel} x "

@@ -10,9 +10,12 @@ Order of the checks (the first failure is the one reported):
    ``model.vocab_size`` must not be smaller than the tokenizer's vocabulary;
 3. arithmetic: ``config.derived.derive`` (parallel degrees vs world size, the batch identity, the model's own
    checks in ``resolve_model_args``);
-4. model vs parallel layout: heads and KV heads divisible by tensor_parallel, enough layers for the pipeline
-   stages, sequence length divisible by 2 x context_parallel;
-5. advice: settings that are legal but have no effect or look unintended become warning strings.
+4. the parallel layout: :func:`llmtrain.feasibility.layout_problems` with the resolved model, the one place
+   that holds every layout rule (the planner's search and the builders in ``distributed/`` call it too), so
+   ``check``, ``train`` and ``plan --search`` agree. Its first fatal problem is raised with the same message;
+   its warnings are returned. With ``stages``, every stage's config is checked the same way (message prefixed
+   with the stage);
+5. advice: settings outside the layout that are legal but have no effect or look unintended become warnings.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 from llmtrain.config.derived import Derived, derive
 from llmtrain.config.schema import Config
 from llmtrain.errors import ConfigError, DataError
+from llmtrain.feasibility import layout_problems, raise_fatal
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "train.decay_style": ("cosine", "linear", "constant", "wsd"),
@@ -96,23 +100,25 @@ def check_config(cfg: Config, world_size: int = 1, require_data: bool = True) ->
     warnings: list[str] = []
     vocab = _check_data(cfg, require_data, warnings)
     derived = derive(cfg, world_size, vocab_size=vocab)
-    _check_layout(cfg, derived)
+    warnings += raise_fatal(layout_problems(cfg, world_size, derived.model_args))
     if cfg.stages:
         _check_stages(cfg, world_size, vocab, require_data)
-    warnings += _advice(cfg, derived)
+    warnings += _advice(cfg)
     return derived, warnings
 
 
 def _check_stages(cfg: Config, world_size: int, vocab: int | None, require_data: bool) -> None:
-    """Every stage resolves (lengths, overrides, LR, mixture) and its batch arithmetic fits the layout."""
+    """Every stage resolves (lengths, overrides, LR, mixture), its batch arithmetic and its layout rules pass."""
     from llmtrain.config.stages import resolve_stages
     from llmtrain.data.manifest import manifest_path
 
     for plan in resolve_stages(cfg)[1]:
+        where = f"stages[{plan.index}] ({plan.name}): "
         try:
-            derive(plan.cfg, world_size, vocab_size=vocab)
+            d = derive(plan.cfg, world_size, vocab_size=vocab)
         except ConfigError as e:
-            raise ConfigError(f"stages[{plan.index}] ({plan.name}): {e}") from None
+            raise ConfigError(f"{where}{e}") from None
+        raise_fatal(layout_problems(plan.cfg, world_size, d.model_args), prefix=where)
         for j, spec in enumerate(cfg.stages[plan.index].datasets):
             if require_data and not manifest_path(spec.path).is_file():
                 raise ConfigError(
@@ -215,80 +221,11 @@ def _check_data(cfg: Config, require_data: bool, warnings: list[str]) -> int | N
     return vocab
 
 
-def _check_layout(cfg: Config, d: Derived) -> None:
-    """Model shape vs the parallel degrees."""
-    args, dims = d.model_args, d.dims
-    assert dims is not None
-    tp, pp, cp = dims.tp, dims.pp, dims.cp
-    for key, value in (("model.num_heads", args.num_heads), ("model.num_kv_heads", args.num_kv_heads)):
-        if value % tp:
-            raise ConfigError(
-                f"{key} {value} is not divisible by parallel.tensor_parallel {tp}: each tensor-parallel rank "
-                f"must hold whole heads. Use a tensor_parallel that divides {value}."
-            )
-    ffn = getattr(args, "intermediate_size", None)
-    if isinstance(ffn, int) and ffn % tp:
-        raise ConfigError(
-            f"model.intermediate_size {ffn} is not divisible by parallel.tensor_parallel {tp} (the MLP is "
-            f"split by columns across tensor-parallel ranks)."
-        )
-    stages = pp * cfg.parallel.virtual_stages
-    if args.num_layers < stages:
-        raise ConfigError(
-            f"model.num_layers {args.num_layers} is fewer than the pipeline stages: pipeline_parallel {pp} x "
-            f"virtual_stages {cfg.parallel.virtual_stages} = {stages}; every stage needs at least one layer."
-        )
-    from llmtrain.distributed.pipeline import check_context_parallel, check_pipeline  # lazy: imports torch
-
-    check_pipeline(cfg, args.num_layers, args.tie_word_embeddings, dims.dp)
-    if cp > 1:
-        import torch
-
-        target = str(cfg.run.device_target).lower()
-        check_context_parallel(cp, "cuda" if target in ("cuda", "gpu", "npu", "ascend") or (
-            target == "auto" and torch.cuda.is_available()) else "cpu")  # fmt: skip
-    if cp > 1 and cfg.model.seq_length % (2 * cp):
-        raise ConfigError(
-            f"model.seq_length {cfg.model.seq_length} is not divisible by 2 x parallel.context_parallel "
-            f"{cp} = {2 * cp} (context parallelism splits each sequence into 2 x cp load-balanced chunks)."
-        )
-
-
-def _advice(cfg: Config, d: Derived) -> list[str]:
-    """Legal settings that have no effect or look unintended."""
-    p, t, dims = cfg.parallel, cfg.train, d.dims
-    assert dims is not None
+def _advice(cfg: Config) -> list[str]:
+    """Legal settings outside the layout that have no effect or look unintended (the layout's own are
+    ``llmtrain.feasibility`` warnings)."""
+    t = cfg.train
     out: list[str] = []
-    stage = p.effective_zero_stage()
-    if stage > 0 and d.data_parallel == 1:
-        out.append(f"ZeRO stage {stage} has no effect with a data-parallel size of 1.")
-    if p.enable_alltoall and dims.ep == 1:
-        out.append("parallel.enable_alltoall has no effect with expert_parallel 1 (it is for MoE dispatch).")
-    if dims.ep > 1 and not d.model_args.num_experts:
-        out.append(f"parallel.expert_parallel {dims.ep} has no effect: the model config has no MoE layers.")
-    if d.model_args.vocab_size % dims.tp:
-        out.append(
-            f"vocabulary {d.model_args.vocab_size} is not divisible by tensor_parallel {dims.tp}: the embedding "
-            "and output shards are uneven (slower); pad model.vocab_size to a multiple."
-        )
-    if dims.pp > 1:
-        from llmtrain.distributed.pipeline import pipeline_microbatches
-
-        n_mb = pipeline_microbatches(cfg, d.data_parallel)
-        if n_mb < dims.pp:
-            out.append(
-                f"{n_mb} pipeline micro-batches per step < pipeline_parallel {dims.pp}: fewer micro-batches than "
-                f"stages leave most stages idle (a large pipeline bubble); raise parallel.micro_batch_num."
-            )
-        pipe_mb = d.global_batch // (d.data_parallel * n_mb)
-        if pipe_mb != d.micro_batch_size:
-            out.append(
-                f"under pipeline parallel each data-parallel rank's {d.global_batch // d.data_parallel} "
-                f"sequences per step run as parallel.micro_batch_num {n_mb} pipeline micro-batches "
-                f"of {pipe_mb} sequences; train.micro_batch_size {d.micro_batch_size} only sets data loading."
-            )
-    elif p.micro_batch_interleave:
-        out.append("parallel.micro_batch_interleave has no effect without pipeline parallelism.")
     if t.warmup_steps >= t.max_steps:
         out.append(
             f"train.warmup_steps {t.warmup_steps} >= train.max_steps {t.max_steps}: the learning rate never "

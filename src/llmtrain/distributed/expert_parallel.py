@@ -22,8 +22,10 @@ backward divides the incoming gradient by ``grad_divisor`` (= dp) and the dispat
 back: expert gradients come out exact, token gradients unchanged.
 
 ``parallel.enable_alltoall``: the dispatch is always the all-to-all above (gloo and NCCL both implement
-``all_to_all_single``); the key is informational. Not supported (ConfigError): ep != dp, HSDP meshes with EP,
-tensor or pipeline parallel together with MoE.
+``all_to_all_single``); the key is informational. Not supported, refused by :mod:`llmtrain.feasibility` before
+anything is built (rules ep_without_moe, ep_equals_dp, ep_hsdp, ep_experts, moe_tp_pp): ep != dp, HSDP
+meshes with EP, tensor or pipeline parallel together with MoE, a model without MoE blocks, a number of experts
+ep does not divide.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from llmtrain.errors import ConfigError
 from llmtrain.models.common.moe import GroupedExperts, moe_layers
 
 
@@ -88,22 +89,8 @@ class _Dispatcher:
 
 
 def ep_mesh_for(dims, world: DeviceMesh) -> DeviceMesh:  # noqa: ANN001
-    """The 1-D mesh of the data-parallel ranks that experts are sharded over (ConfigError if unsupported)."""
-    if dims.ep != dims.dp:
-        raise ConfigError(
-            f"parallel.expert_parallel {dims.ep} must equal the data-parallel size {dims.dp} in this version "
-            f"(experts are sharded over all data-parallel ranks); set expert_parallel to {dims.dp} or 1."
-        )
-    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1:
-        raise ConfigError(
-            "parallel.expert_parallel > 1 together with tensor, pipeline or context parallel is not supported "
-            "yet; use expert_parallel with data parallel (ZeRO 0-3) only."
-        )
-    if dims.dp_replicate > 1 and dims.dp_shard > 1:
-        raise ConfigError(
-            "parallel.expert_parallel > 1 with HSDP (data_parallel_replicate > 1 and ZeRO > 0) is not "
-            "supported yet; set data_parallel_replicate: 1."
-        )
+    """The 1-D mesh of the data-parallel ranks that experts are sharded over. The layout was checked by
+    :mod:`llmtrain.feasibility` (ep == dp, no TP / PP / CP, no HSDP): one of dp_shard / dp_replicate is 1."""
     return world["dp_shard"] if dims.dp_shard > 1 else world["dp_replicate"]
 
 
@@ -115,19 +102,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: float) -> None
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ep = ep_mesh.size()
-    layers = moe_layers(model)
-    if not layers:
-        raise ConfigError(
-            "parallel.expert_parallel > 1 but the model has no MoE blocks; set model.moe.num_experts > 0 "
-            "(or a MoE flavor such as qwen3 debug_moe) or expert_parallel: 1."
-        )
-    for moe in layers:
+    for moe in moe_layers(model):  # (MoE blocks exist and num_experts % ep == 0: llmtrain.feasibility)
         experts: GroupedExperts = moe.experts
-        if experts.num_experts % ep:
-            raise ConfigError(
-                f"model.moe.num_experts {experts.num_experts} is not divisible by parallel.expert_parallel "
-                f"{ep} (each expert-parallel rank holds the same number of experts)."
-            )
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))

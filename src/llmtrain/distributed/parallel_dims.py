@@ -1,8 +1,11 @@
-"""ParallelDims: the parallel degrees of one run, validated once, and the DeviceMesh built from them.
+"""ParallelDims: the parallel degrees of one run and the DeviceMesh built from them.
 
 Modelled on torchtitan's ``distributed/parallel_dims.py``: a small frozen value object that is created from the
-config and the world size, passed explicitly to whoever needs it (never a module global), and that owns the one
-place where the degrees are checked against each other.
+config and the world size and passed explicitly to whoever needs it (never a module global). It does the degree
+bookkeeping (how the data-parallel size splits into replicate x shard) and builds the mesh; the rules on which
+degrees are legal live in :mod:`llmtrain.feasibility` (``from_config`` raises the first of its
+``degree_problems``), and ``__post_init__`` only checks the value object's own invariant (its dims multiply to
+its world size), for instances built directly.
 
 Degrees::
 
@@ -13,7 +16,7 @@ Degrees::
 dim of HSDP). With ZeRO stage 0 (plain data parallelism) every data-parallel rank holds a full replica, so
 :meth:`ParallelDims.from_config` puts the whole data-parallel size on ``dp_replicate``; with stages 1-3 it is
 ``data_parallel_replicate`` x ``dp_shard``. ``ep`` (expert parallel) does not add a mesh dim: like torchtitan it
-borrows ranks from ``dp x cp``, so it must divide that product; its mesh is built by the MoE code.
+borrows ranks from ``dp x cp``; its mesh is picked by ``distributed/expert_parallel.py``.
 
 :meth:`ParallelDims.build_mesh` always builds all five dims, in the order ``pp, dp_replicate, dp_shard, cp,
 tp`` (size-1 dims included, so ``mesh["tp"]`` works in every layout and code needs no branches), then the
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmtrain.errors import ConfigError
+from llmtrain.feasibility import data_parallel_size, degree_problems, raise_fatal
 
 if (
     TYPE_CHECKING
@@ -62,59 +66,20 @@ class ParallelDims:
                 f"parallel degrees pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
                 f"x cp {self.cp} x tp {self.tp} = {product} do not equal the world size {self.world_size}."
             )
-        if (self.dp * self.cp) % self.ep:
-            raise ConfigError(
-                f"parallel.expert_parallel {self.ep} must divide data-parallel x context-parallel "
-                f"({self.dp} x {self.cp} = {self.dp * self.cp}): expert-parallel ranks are taken from those."
-            )
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
-        """Degrees from the parallel section and the number of processes; ConfigError on a bad combination."""
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"the world size must be an integer >= 1, got {world_size!r}.")
-        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
-                    "data_parallel_replicate"):  # fmt: skip
-            value = getattr(p, key)
-            if value < 1:
-                raise ConfigError(f"parallel.{key}: expected an integer >= 1, got {value!r}.")
-        tp, pp, cp = p.tensor_parallel, p.pipeline_parallel, p.context_parallel
-        model_ranks = tp * pp * cp
-        if p.data_parallel == -1:
-            if world_size % model_ranks:
-                raise ConfigError(
-                    f"the world size {world_size} is not divisible by tensor_parallel {tp} x pipeline_parallel "
-                    f"{pp} x context_parallel {cp} = {model_ranks}, so parallel.data_parallel: -1 cannot be "
-                    f"derived. Run on a multiple of {model_ranks} processes or change the degrees."
-                )
-            dp = world_size // model_ranks
-        elif p.data_parallel < 1:
-            raise ConfigError(
-                f"parallel.data_parallel: expected -1 (derive from the world size) or an integer >= 1, "
-                f"got {p.data_parallel!r}."
-            )
-        else:
-            dp = p.data_parallel
-            if dp * model_ranks != world_size:
-                raise ConfigError(
-                    f"the parallel degrees do not multiply to the world size: data_parallel {dp} x "
-                    f"tensor_parallel {tp} x pipeline_parallel {pp} x context_parallel {cp} = "
-                    f"{dp * model_ranks}, but the world size is {world_size}. Set parallel.data_parallel: -1 "
-                    f"to derive it, or launch {dp * model_ranks} processes."
-                )
-        replicate = p.data_parallel_replicate
-        if dp % replicate:
-            raise ConfigError(
-                f"parallel.data_parallel_replicate {replicate} does not divide the data-parallel size {dp} "
-                f"(HSDP needs data_parallel = replicate x shard)."
-            )
+        """Degrees from the parallel section and the number of processes; ConfigError (the first of
+        :func:`llmtrain.feasibility.degree_problems`) on a bad combination."""
+        raise_fatal(degree_problems(p, world_size))
+        dp, replicate = data_parallel_size(p, world_size), p.data_parallel_replicate
         if p.effective_zero_stage() == 0:  # plain data parallelism: full replicas, nothing sharded
             replicate, shard = dp, 1
         else:
             shard = dp // replicate
         return cls(
-            dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=p.expert_parallel,
-            world_size=world_size,
+            dp_replicate=replicate, dp_shard=shard, tp=p.tensor_parallel, pp=p.pipeline_parallel,
+            cp=p.context_parallel, ep=p.expert_parallel, world_size=world_size,
         )  # fmt: skip
 
     @property

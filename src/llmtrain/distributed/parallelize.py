@@ -25,13 +25,16 @@ HSDP (``parallel.data_parallel_replicate`` > 1): shard within groups, replicate 
 ``parallel.cpu_offload`` adds FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer states live
 in host memory; the optimizer step runs on the CPU).
 
-Known wrong combinations on torch's CPU backend are refused here, with the reason (see docs/parallelism.md):
-per-block compile with tensor parallel.
+Which layouts may be built is decided by :mod:`llmtrain.feasibility` alone (config validation refuses the
+others before anything is built); :func:`parallelize` only asserts it once more with the same function and
+message (:func:`~llmtrain.feasibility.require_feasible`), for callers that skipped validation. One layout
+rule changes what is built instead of refusing it: with tensor parallel, ``train.compile`` is skipped (per-block
+compile + TP fails in backward on this torch; the feasibility warning ``tp_compile`` says so). The TP plan of
+a model is a field of its family (``FamilySpec.tp_plan``), not a registry here. Imports go one way: the
+pipeline builder (``distributed/pipeline.py``) uses this module, never the reverse.
 """
 
 from __future__ import annotations
-
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -40,19 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from llmtrain.config.schema import Config
 from llmtrain.distributed.parallel_dims import ParallelDims
 from llmtrain.errors import ConfigError
-from llmtrain.models.baichuan import parallelize as baichuan_tp
-from llmtrain.models.glm import parallelize as glm_tp
-from llmtrain.models.llama import parallelize as llama_tp
-from llmtrain.models.qwen import parallelize as qwen_tp
-
-# family -> module with block_plan(args) / top_plan(args): an explicit registry, nothing imported by name.
-TP_PLANS: dict[str, ModuleType] = {
-    "llama3": llama_tp,
-    "qwen2": qwen_tp,
-    "qwen3": qwen_tp,
-    "glm4": glm_tp,
-    "baichuan2": baichuan_tp,
-}
+from llmtrain.feasibility import require_feasible
+from llmtrain.models import get_family
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -60,12 +52,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     args = model.args
-    plans = TP_PLANS[args.family]
+    plan = get_family(args.family).tp_plan
     # A pipeline stage lacks the embedding or the head (None): plan only the modules it has.
-    top = {k: v for k, v in plans.top_plan(args).items() if getattr(model, k, None) is not None}
+    top = {k: v for k, v in plan.top(args).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plans.block_plan(args))
+        parallelize_module(block, tp_mesh, plan.block(args))
     if args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Each style distributed its own copy of the shared [vocab, dim] weight, both Shard(0) over the
         # vocabulary: share the embedding's DTensor again (gradients of both uses then add up in it).
@@ -123,15 +115,7 @@ def parallelize(
 ) -> bool:
     """Apply TP -> recompute -> compile -> FSDP as configured. Returns True when FSDP wraps the model (its
     gradient reduction then averages over the data-parallel ranks)."""
-    if dims.cp > 1:
-        from llmtrain.distributed.pipeline import check_context_parallel
-
-        check_context_parallel(dims.cp, device_type)
-    if getattr(model.args, "num_experts", 0) and (dims.tp > 1 or dims.pp > 1):
-        raise ConfigError(
-            "an MoE model (model.moe.num_experts > 0) with tensor_parallel or pipeline_parallel > 1 is not "
-            "supported yet; use data parallel (ZeRO 0-3) and expert_parallel."
-        )
+    require_feasible(cfg, dims.world_size, model.args)  # validation already refused the others
     expert_params: set = set()
     if dims.ep > 1:  # experts sharded over the dp ranks, before FSDP (which must then ignore them)
         from llmtrain.distributed import expert_parallel
@@ -143,13 +127,7 @@ def parallelize(
         assert world is not None
         apply_tp(model, world["tp"])
     apply_recompute(model, cfg.recompute.mode, cfg.recompute.every)
-    if cfg.train.compile:
-        if dims.tp > 1:
-            raise ConfigError(
-                "train.compile with parallel.tensor_parallel > 1 is refused: on this torch, TP + per-block "
-                "compile fails in backward and FSDP + TP + whole-model compile gives wrong losses "
-                "(docs/parallelism.md). Set train.compile: false."
-            )
+    if cfg.train.compile and dims.tp == 1:  # with TP the blocks run eagerly (feasibility warning tp_compile)
         for key, block in list(model.layers.items()):
             model.layers[key] = torch.compile(block)
     fsdp = dims.dp > 1
@@ -163,6 +141,4 @@ def parallelize(
             model, dp_mesh_for(dims, world, zero), resharding, cfg.parallel.cpu_offload, device_type,
             ignored_params=expert_params,
         )  # fmt: skip
-    elif cfg.parallel.cpu_offload:
-        raise ConfigError("parallel.cpu_offload needs data_parallel > 1 (it is FSDP2's offload policy).")
     return fsdp

@@ -23,9 +23,11 @@ checkpoints, host snapshots, fault drills) keeps seeing *one* module per rank:
    exactly the single-process ones. The summed CE of the last stage is all-reduced over the pp group, so every
    rank returns the same loss; the grad norm is reduced over the pp group by ``precision.grad_norm_``.
 
-Context parallel (``parallel.context_parallel > 1``) is refused with a ConfigError
-(:func:`check_context_parallel`): torch's ``context_parallel`` (ring attention over SDPA) has no CPU kernel
-strategy, and on accelerators it covers only plain causal masks, not this codebase's document masks.
+Which pipeline layouts are legal (schedule vs virtual stages, micro-batch counts, the layer split, tied
+embeddings, compile with zero-bubble schedules) is decided by :mod:`llmtrain.feasibility` only; the runner
+asserts it with the same function before building. Context parallel (``parallel.context_parallel > 1``) is
+refused there too, with its reason (torch's ring attention has no CPU kernel strategy, and on accelerators it
+covers only plain causal masks, not this codebase's document masks).
 
 Every stage gets ``position_ids [B, T]`` as a keyword argument: under sequence parallel a middle stage
 receives only its sequence slice ``[B, T / tp, dim]`` and could not infer the full length from its input.
@@ -43,7 +45,15 @@ from torch import nn
 
 from llmtrain.config.schema import Config, ParallelConfig
 from llmtrain.distributed.parallel_dims import ParallelDims
-from llmtrain.errors import ConfigError
+from llmtrain.distributed.parallelize import parallelize
+from llmtrain.feasibility import (
+    SINGLE_STAGE_SCHEDULES,
+    pipeline_microbatches,
+    pipeline_split_problems,
+    raise_fatal,
+    require_feasible,
+    schedule_name,
+)
 
 # config name -> torch.distributed.pipelining class name (explicit registry; imported lazily)
 SCHEDULES: dict[str, str] = {
@@ -53,42 +63,19 @@ SCHEDULES: dict[str, str] = {
     "zero_bubble": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
 }
-SINGLE_STAGE = ("gpipe", "1f1b")  # one chunk per rank; the others are multi-stage schedules
-
-
-def schedule_name(p: ParallelConfig) -> str:
-    """The schedule to run: ``parallel.schedule``; the seed key micro_batch_interleave turns 1f1b interleaved."""
-    if p.micro_batch_interleave and p.schedule == "1f1b":
-        return "interleaved_1f1b"
-    return p.schedule
+SINGLE_STAGE = SINGLE_STAGE_SCHEDULES  # one chunk per rank; the others are multi-stage schedules
+# schedule_name and pipeline_microbatches (pure arithmetic the rules share) live in llmtrain.feasibility and are
+# importable from here as before.
 
 
 def layers_per_stage(num_layers: int, p: ParallelConfig) -> list[int]:
-    """Layers of each stage chunk (in model order), from ``parallel.pipeline_layers`` or an even split."""
-    n_chunks = p.pipeline_parallel * p.virtual_stages
-    explicit = p.pipeline_layers
-    if explicit is None:
-        if num_layers % n_chunks:
-            raise ConfigError(
-                f"model.num_layers {num_layers} is not divisible by pipeline_parallel {p.pipeline_parallel} x "
-                f"virtual_stages {p.virtual_stages} = {n_chunks} stage chunks. Give an explicit uneven split "
-                f"with parallel.pipeline_layers (a list of {n_chunks} layer counts summing to {num_layers}), "
-                f"or change the degrees."
-            )
+    """Layers of each stage chunk (in model order), from ``parallel.pipeline_layers`` or an even split
+    (ConfigError, the feasibility message, for a split that does not fit)."""
+    raise_fatal(pipeline_split_problems(num_layers, p))
+    if p.pipeline_layers is None:
+        n_chunks = p.pipeline_parallel * p.virtual_stages
         return [num_layers // n_chunks] * n_chunks
-    counts = list(explicit)
-    if len(counts) != n_chunks or sum(counts) != num_layers:
-        raise ConfigError(
-            f"parallel.pipeline_layers {counts} must list {n_chunks} layer counts (pipeline_parallel "
-            f"{p.pipeline_parallel} x virtual_stages {p.virtual_stages}) that sum to model.num_layers "
-            f"{num_layers}; it has {len(counts)} entries summing to {sum(counts)}."
-        )
-    if any(not isinstance(c, int) or c < 0 for c in counts) or any(c < 1 for c in counts[1:-1]):
-        raise ConfigError(
-            f"parallel.pipeline_layers {counts}: every entry must be an integer >= 1 (only the first and the "
-            f"last stage, which also hold the embedding and the output head, may have 0 layers)."
-        )
-    return counts
+    return list(p.pipeline_layers)
 
 
 def stage_ids(pp_rank: int, p: ParallelConfig) -> list[int]:
@@ -97,90 +84,6 @@ def stage_ids(pp_rank: int, p: ParallelConfig) -> list[int]:
     if schedule_name(p) == "zbv":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(v)]
-
-
-def pipeline_microbatches(cfg: Config, dp: int) -> int:
-    """Pipeline micro-batches per step: ``parallel.micro_batch_num``, or when it is 1 (the default) the
-    gradient-accumulation steps ``batch_size / (micro_batch_size x dp)`` (the planner's convention)."""
-    n_mb = cfg.parallel.micro_batch_num
-    return n_mb if n_mb > 1 else max(cfg.train.batch_size // max(cfg.train.micro_batch_size * dp, 1), 1)
-
-
-def check_pipeline(cfg: Config, num_layers: int, tie_word_embeddings: bool, dp: int) -> None:
-    """ConfigError for a pipeline layout that cannot run (called by config validation and by the builder)."""
-    p = cfg.parallel
-    if p.pipeline_parallel <= 1:
-        if p.pipeline_layers is not None:
-            raise ConfigError("parallel.pipeline_layers is only used with pipeline_parallel > 1; remove it.")
-        return
-    name, pp, v, n_mb = (
-        schedule_name(p),
-        p.pipeline_parallel,
-        p.virtual_stages,
-        pipeline_microbatches(cfg, dp),
-    )
-    if name in SINGLE_STAGE and v != 1:
-        raise ConfigError(
-            f"parallel.schedule {name} runs one stage per rank, but parallel.virtual_stages is {v}; use "
-            f"virtual_stages: 1, or schedule interleaved_1f1b / zero_bubble for virtual stages."
-        )
-    if name == "zbv" and v != 2:
-        raise ConfigError(
-            f"parallel.schedule zbv places exactly 2 stage chunks per rank in a V shape; set "
-            f"parallel.virtual_stages: 2 (got {v})."
-        )
-    if name == "1f1b" and n_mb < pp:
-        raise ConfigError(
-            f"parallel.schedule 1f1b needs {n_mb} pipeline micro-batches (parallel.micro_batch_num, or the "
-            f"gradient-accumulation steps when it is 1) >= pipeline_parallel {pp}: one in flight per stage. "
-            f"Set micro_batch_num >= {pp} (e.g. {2 * pp}), or use schedule gpipe."
-        )
-    rounds = max(1, n_mb // pp)
-    if name in ("interleaved_1f1b", "zero_bubble") and n_mb % rounds:
-        raise ConfigError(
-            f"parallel.schedule {name} runs micro-batches in rounds of pipeline_parallel {pp}: "
-            f"{n_mb} pipeline micro-batches (parallel.micro_batch_num) must be a multiple of its {rounds} rounds (e.g. "
-            f"{rounds * pp} or {(rounds + 1) * pp})."
-        )
-    batch = cfg.train.batch_size
-    if batch % (dp * n_mb):
-        raise ConfigError(
-            f"train.batch_size {batch} (the global batch) is not divisible by data-parallel size {dp} x "
-            f"{n_mb} pipeline micro-batches (parallel.micro_batch_num) = {dp * n_mb}: each data-parallel rank "
-            f"splits its share of the batch into that many equal pipeline micro-batches."
-        )
-    if tie_word_embeddings:
-        raise ConfigError(
-            "pipeline_parallel > 1 with tied input/output embeddings (model.tie_word_embeddings) is not "
-            "supported: the embedding and the output head live on different stages. Set "
-            "model.tie_word_embeddings: false."
-        )
-    if cfg.train.compile and name in ("zero_bubble", "zbv"):
-        raise ConfigError(
-            f"train.compile with parallel.schedule {name} is not supported by torch's zero-bubble schedules "
-            "(they split backward into input and weight parts); set train.compile: false or use 1f1b."
-        )
-    layers_per_stage(num_layers, p)
-
-
-def check_context_parallel(cp: int, device_type: str) -> None:
-    """ConfigError for ``parallel.context_parallel > 1``: the decision recorded in the module docstring."""
-    if cp <= 1:
-        return
-    where = (
-        "on the CPU, torch's context_parallel cannot run at all: its ring attention only shards the CUDA "
-        "SDPA kernels (flash / efficient / cuDNN), and the CPU kernel "
-        "aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy (measured on torch "
-        f"{torch.__version__} with gloo)"
-        if device_type == "cpu"
-        else "on accelerators torch's ring attention supports only plain causal masks, while this codebase "
-        "also uses document masks and ALiBi, and the path is not wired and loss-parity tested in this version"
-    )
-    raise ConfigError(
-        f"parallel.context_parallel {cp} is not supported: {where}. Set parallel.context_parallel: 1; for long "
-        "sequences use recompute.mode: full with tensor_parallel (sequence parallel shards activations along "
-        "the sequence) or pipeline_parallel."
-    )
 
 
 def split_model(model: nn.Module, stages: list[int], counts: list[int]) -> tuple[nn.Module, list[nn.Module]]:
@@ -237,11 +140,9 @@ class PipelineRunner:
     ) -> None:
         from torch.distributed import pipelining
 
-        from llmtrain.distributed.parallelize import parallelize
-
         p = cfg.parallel
         args = model.args
-        check_pipeline(cfg, args.num_layers, args.tie_word_embeddings, dims.dp)
+        require_feasible(cfg, dims.world_size, args)  # validation already refused the others
         self.cfg, self.device, self.ce_loss = cfg, device, ce_loss
         pp_mesh = meshes["pp"]
         self.pp_group = pp_mesh.get_group()

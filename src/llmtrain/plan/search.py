@@ -5,11 +5,19 @@
 and :func:`search` enumerates the alternatives a user could configure on the same cluster with the same global
 batch and sequence length:
 
-* ``tp`` a divisor of the devices per node (TP stays inside a node) that divides the heads, KV heads, FFN
-  width and vocabulary; ``pp`` a divisor of the layer count; ``cp`` 1 (2 and 4 from 32k tokens on);
-  ``dp`` the rest of the devices, which must divide the global batch with the micro-batch size;
+* ``tp`` a divisor of the devices per node (TP stays inside a node); ``pp`` a divisor of the layer count;
+  ``cp`` 1 (context parallel is refused by training); ``ep`` the config's for an MoE model, else 1; ``dp``
+  the rest of the devices, which must divide the global batch with the micro-batch size;
 * ZeRO 0, 2, 3 (1 is run as 2); recompute none / selective / full; micro-batch 1, 2, 4, 8;
-* with ``pp > 1``: 1f1b and interleaved_1f1b (2 virtual stages when the layers allow).
+* with ``pp > 1``: 1f1b and interleaved_1f1b (2 virtual stages when the layers allow), and at least ``pp``
+  micro-batches per step (fewer is mostly bubble).
+
+Which of those training would run is not decided here: each candidate is written as the run config a user
+would give it (:func:`layout_config`) and dropped when :func:`llmtrain.feasibility.layout_problems` reports a
+fatal problem (heads / FFN / sequence not divisible by tp, MoE with tp / pp, tied embeddings with pp, CPU
+offload without data parallel, ...), so ``--search`` never proposes a layout ``llmtrain train`` refuses. The configured layout itself
+(:func:`layout_from_config`) is refused only for the ``split`` rules, where the cost model could not split the
+model; the other refusals are this version's limits, and the planner also costs what-if layouts.
 
 Layouts that fit in memory are ranked by tokens/s per device (then by lower memory); the reasons shown are the
 step-time breakdown and the memory headroom.
@@ -21,8 +29,9 @@ import itertools
 from dataclasses import dataclass, replace
 
 from llmtrain.config.derived import derive
-from llmtrain.config.schema import Config
+from llmtrain.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from llmtrain.errors import ConfigError
+from llmtrain.feasibility import RULES, layout_problems, raise_fatal
 from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster
 from llmtrain.plan.memory import Layout, MemoryEstimate, estimate_memory
@@ -68,7 +77,8 @@ def layout_from_config(
     offload: bool = False,
     vocab_size: int | None = None,
 ) -> tuple[Layout, TransformerArgs, int]:
-    """(layout, model args, tokens per step) of the run config on ``world_size`` devices."""
+    """(layout, model args, tokens per step) of the run config on ``world_size`` devices; ConfigError for a
+    feasibility ``split`` rule (the model does not divide over the degrees, see the module docstring)."""
     d = derive(cfg, world_size, vocab_size=vocab_size)
     dims, p = d.dims, cfg.parallel
     assert dims is not None
@@ -79,29 +89,22 @@ def layout_from_config(
         seq_length=cfg.model.seq_length, schedule=p.schedule, virtual_stages=max(p.virtual_stages, 1),
         recompute=recompute, offload=offload, precision=cfg.train.precision,
     )  # fmt: skip
-    check_divisibility(d.model_args, layout)
+    split = [pr for pr in layout_problems(cfg, world_size, d.model_args) if RULES[pr.rule].kind == "split"]
+    raise_fatal(split)
     return layout, d.model_args, d.tokens_per_step
 
 
-def check_divisibility(args: TransformerArgs, lay: Layout) -> None:
-    """ConfigError when the model cannot be split as the layout says."""
-    checks = [
-        ("model.num_heads", args.num_heads, lay.tp, "parallel.tensor_parallel"),
-        ("model.num_kv_heads", args.num_kv_heads, lay.tp, "parallel.tensor_parallel"),
-        ("model.intermediate_size", args.intermediate_size, lay.tp, "parallel.tensor_parallel"),
-        ("the vocabulary", args.vocab_size, lay.tp, "parallel.tensor_parallel"),
-        ("model.seq_length", lay.seq_length, lay.cp * lay.tp, "context_parallel x tensor_parallel"),
-    ]
-    for what, value, by, key in checks:
-        if value % by:
-            raise ConfigError(
-                f"{what} {value} is not divisible by {key} {by}; choose a degree that divides it."
-            )
-    if args.num_layers < lay.pp * lay.virtual_stages:
-        raise ConfigError(
-            f"model.num_layers {args.num_layers} is fewer than pipeline_parallel {lay.pp} x virtual_stages "
-            f"{lay.virtual_stages}: every pipeline chunk needs at least one block."
-        )
+def layout_config(lay: Layout, global_batch: int, compile: bool = False) -> Config:
+    """The run config a user would write for ``lay`` (the sections the feasibility rules read). Pipeline
+    micro-batches are the gradient-accumulation steps (``parallel.micro_batch_num`` left at its default 1)."""
+    parallel = ParallelConfig(
+        data_parallel=lay.dp, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, context_parallel=lay.cp,
+        expert_parallel=lay.ep, data_parallel_replicate=lay.dp_replicate if lay.zero_stage else 1,
+        zero_stage=lay.zero_stage, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+        cpu_offload=lay.offload,
+    )  # fmt: skip
+    train = TrainConfig(batch_size=global_batch, micro_batch_size=lay.micro_batch_size, compile=compile)
+    return Config(model=ModelConfig(seq_length=lay.seq_length), parallel=parallel, train=train)
 
 
 def evaluate(
@@ -125,23 +128,20 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(
-    args: TransformerArgs, base: Layout, cluster: Cluster, global_batch: int
+    args: TransformerArgs, base: Layout, cluster: Cluster, global_batch: int, compile: bool = False
 ) -> list[Layout]:
-    """Every layout the search considers (see the module docstring)."""
+    """Every layout the search considers that training would run (see the module docstring); ``compile``:
+    the run's ``train.compile`` (a rule input: compile with zero-bubble schedules is refused)."""
     n = cluster.num_devices
     tps = [t for t in _divisors(cluster.devices_per_node) if t <= n]
     pps = [p for p in _divisors(args.num_layers) if p <= 64]
-    cps = [1, 2, 4] if base.seq_length >= 32768 else [1]
+    ep = base.ep if args.num_experts else 1
     out: list[Layout] = []
-    for tp, pp, cp in itertools.product(tps, pps, cps):
-        if n % (tp * pp * cp):
+    for tp, pp in itertools.product(tps, pps):
+        if n % (tp * pp):
             continue
-        dp = n // (tp * pp * cp)
-        probe = replace(base, tp=tp, pp=pp, cp=cp, dp_replicate=1, dp_shard=dp, virtual_stages=1)
-        try:
-            check_divisibility(args, probe)
-        except ConfigError:
-            continue
+        dp = n // (tp * pp)
+        probe = replace(base, tp=tp, pp=pp, cp=1, ep=ep, dp_replicate=1, dp_shard=dp, virtual_stages=1)
         for mbs, zero, rc in itertools.product((1, 2, 4, 8), (0, 2, 3), ("none", "selective", "full")):
             if global_batch % (mbs * dp):
                 continue
@@ -152,17 +152,13 @@ def candidate_layouts(
             if pp > 1 and args.num_layers % (2 * pp) == 0 and accum % pp == 0:
                 scheds.append(("interleaved_1f1b", 2))
             for sched, vs in scheds:
-                out.append(
-                    replace(
-                        probe,
-                        zero_stage=zero,
-                        micro_batch_size=mbs,
-                        grad_accum=accum,
-                        recompute=rc,
-                        schedule=sched if pp > 1 else base.schedule,
-                        virtual_stages=vs,
-                    )  # fmt: skip
-                )
+                lay = replace(
+                    probe, zero_stage=zero, micro_batch_size=mbs, grad_accum=accum, recompute=rc,
+                    schedule=sched if pp > 1 else base.schedule, virtual_stages=vs,
+                )  # fmt: skip
+                problems = layout_problems(layout_config(lay, global_batch, compile), n, args)
+                if not any(pr.fatal for pr in problems):
+                    out.append(lay)
     return out
 
 
@@ -170,10 +166,11 @@ def search(
     args: TransformerArgs, base: Layout, cluster: Cluster, tokens_per_step: int, fused: bool, top: int = 5,
     eff: Efficiency | None = None,
 ) -> tuple[list[PlanResult], int, int]:  # fmt: skip
-    """(best ``top`` fitting layouts by tokens/s per device, candidates tried, candidates that fit)."""
+    """(best ``top`` fitting layouts by tokens/s per device, candidates tried, candidates that fit).
+    ``fused``: the run compiles (``train.compile``; fused kernels in the time model)."""
     global_batch = tokens_per_step // base.seq_length
     results = [evaluate(args, lay, cluster, tokens_per_step, fused, eff)
-               for lay in candidate_layouts(args, base, cluster, global_batch)]  # fmt: skip
+               for lay in candidate_layouts(args, base, cluster, global_batch, compile=fused)]  # fmt: skip
     fitting = [r for r in results if r.memory.fits]
     fitting.sort(key=lambda r: (-r.tokens_per_s_per_device, r.memory.total))
     return fitting[:top], len(results), len(fitting)

@@ -10,7 +10,7 @@ packed ``W_pack`` (q, k, v stacked) is split by ``baichuan.hf``. ``debug``/``dem
 from __future__ import annotations
 
 from llmtrain.models.baichuan import hf
-from llmtrain.models.common.family import FamilySpec
+from llmtrain.models.common.family import COMMON_TP_PLAN, FamilySpec
 
 _DEBUG = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256, "vocab_size": 512}
 _DEMO = {"hidden_size": 384, "num_layers": 6, "num_heads": 6, "intermediate_size": 1024, "vocab_size": 8192}
@@ -42,4 +42,5 @@ BAICHUAN2 = FamilySpec(
         },
     },
     hf=hf,
+    tp_plan=COMMON_TP_PLAN,
 )

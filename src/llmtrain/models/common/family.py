@@ -1,7 +1,10 @@
 """Model families, their named flavors, and the resolution of a ``ModelConfig`` into ``TransformerArgs``.
 
 A :class:`FamilySpec` is plain data: the family's fixed switches and defaults, a table of flavors (each a
-partial ``TransformerArgs`` as a dict), and the module of its Hugging Face adapter. Resolution layers three
+partial ``TransformerArgs`` as a dict), the module of its Hugging Face adapter, and its tensor-parallel plan
+(:class:`TPPlan`: two builders, TransformerArgs -> {module path: ParallelStyle}; every family uses
+:data:`COMMON_TP_PLAN`, the Megatron-style plan of ``models/common/parallelize.py``, imported on first use
+because it pulls in ``torch.distributed.tensor``). Resolution layers three
 sources, later ones winning: family defaults <- the named flavor <- every explicit (non-None) field of the
 config. Without a flavor the config must give at least ``hidden_size``, ``num_layers`` and ``num_heads``; the
 rest is derived (``num_kv_heads = num_heads``, ``head_dim = hidden_size / num_heads``, ``intermediate_size =
@@ -12,6 +15,7 @@ tokenizer, else from the flavor. Every inconsistency is a ``ConfigError`` naming
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from types import ModuleType
 from typing import Any
@@ -42,8 +46,33 @@ _ARG_FIELDS = {f.name for f in fields(TransformerArgs)}
 
 
 @dataclass(frozen=True)
+class TPPlan:
+    """How tensor parallel splits a family's model: ``block(args)`` plans one TransformerBlock (paths relative
+    to the block), ``top(args)`` the modules around the blocks; both return {module path: ParallelStyle}."""
+
+    block: Callable[[TransformerArgs], dict[str, Any]]
+    top: Callable[[TransformerArgs], dict[str, Any]]
+
+
+def _common_block_plan(args: TransformerArgs) -> dict[str, Any]:
+    from llmtrain.models.common.parallelize import block_plan  # lazy: imports torch.distributed.tensor
+
+    return block_plan(args)
+
+
+def _common_top_plan(args: TransformerArgs) -> dict[str, Any]:
+    from llmtrain.models.common.parallelize import top_plan  # lazy: imports torch.distributed.tensor
+
+    return top_plan(args)
+
+
+COMMON_TP_PLAN = TPPlan(block=_common_block_plan, top=_common_top_plan)
+"""The Megatron-style plan with sequence parallel shared by every family (``models/common/parallelize.py``)."""
+
+
+@dataclass(frozen=True)
 class FamilySpec:
-    """One model family: defaults shared by its flavors, the flavors, and its HF adapter module."""
+    """One model family: defaults shared by its flavors, the flavors, its HF adapter module and TP plan."""
 
     name: str
     defaults: dict[str, Any]
@@ -51,6 +80,8 @@ class FamilySpec:
     hf: ModuleType | None = None
     description: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    tp_plan: TPPlan = COMMON_TP_PLAN
+    """The tensor-parallel plan (``distributed/parallelize.apply_tp`` applies it)."""
 
     def flavor_args(self, flavor: str) -> TransformerArgs:
         """The flavor's TransformerArgs without any config overrides (e.g. for parameter counts)."""

@@ -13,9 +13,11 @@ the two modules re-share one DTensor parameter (``distributed/parallelize.apply_
 gradients of both uses into it, as on one device. ALiBi: :class:`ShardAlibiHeads` narrows each attention's
 slopes to the heads its rank holds (the ALiBi bias is per head, so no communication is needed).
 
-The plan is the same for every family because every family uses the same module names; a family's
-``parallelize.py`` may extend it (e.g. GLM and Qwen2 have qkv biases, which the column-wise style shards with
-their weights).
+The plan is the same for every family because every family uses the same module names (GLM and Qwen2 have
+qkv biases, which the column-wise style shards with their weights). It reaches the trainer as a field of the
+family, ``FamilySpec.tp_plan`` (``models/common/family.COMMON_TP_PLAN`` wraps :func:`block_plan` and
+:func:`top_plan`); a family that needs another plan gives its own ``TPPlan``. Which tensor-parallel degrees a
+model admits (heads, KV heads, FFN width, sequence length) is decided by ``llmtrain.feasibility``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ rms_norm_eps 1.5625e-7, untied: 9,399,951,360 parameters.
 
 from __future__ import annotations
 
-from llmtrain.models.common.family import FamilySpec
+from llmtrain.models.common.family import COMMON_TP_PLAN, FamilySpec
 from llmtrain.models.glm import hf
 
 GLM4 = FamilySpec(
@@ -48,4 +48,5 @@ GLM4 = FamilySpec(
         },
     },
     hf=hf,
+    tp_plan=COMMON_TP_PLAN,
 )

@@ -21,7 +21,7 @@ family's switches.
 
 from __future__ import annotations
 
-from llmtrain.models.common.family import FamilySpec
+from llmtrain.models.common.family import COMMON_TP_PLAN, FamilySpec
 from llmtrain.models.llama import hf
 
 LLAMA3_ROPE_SCALING = {
@@ -73,5 +73,6 @@ LLAMA3 = FamilySpec(
         },
     },
     hf=hf,
+    tp_plan=COMMON_TP_PLAN,
     aliases=("llama",),
 )

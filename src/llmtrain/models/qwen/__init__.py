@@ -13,7 +13,7 @@ qwen3: 0.6b 596,049,920; 1.7b 1,720,574,976; 4b 4,022,468,096; 8b 8,190,735,360;
 
 from __future__ import annotations
 
-from llmtrain.models.common.family import FamilySpec
+from llmtrain.models.common.family import COMMON_TP_PLAN, FamilySpec
 from llmtrain.models.qwen import hf
 
 _QWEN_COMMON = {"rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
@@ -72,6 +72,7 @@ QWEN2 = FamilySpec(
         "72b": _shape(8192, 80, 64, 8, 29568, 152064, tied=False),
     },
     hf=hf,
+    tp_plan=COMMON_TP_PLAN,
 )
 
 QWEN3 = FamilySpec(
@@ -96,4 +97,5 @@ QWEN3 = FamilySpec(
         },
     },
     hf=hf,
+    tp_plan=COMMON_TP_PLAN,
 )
