@@ -104,14 +104,13 @@ def test_stage_lengths_from_tokens_and_steps(tmp_path):
         ([{"name": "a", "steps": 3, "overrides": {"parallel.expert_parallel": 2}}], "cannot change"),
         ([{"name": "a", "steps": 3, "fraction": 0.5}], "exactly one length"),
         ([{"name": "a", "steps": 3}, {"name": "a", "steps": 3}], "unique"),
-        ([{"name": "a", "steps": 3, "lr_schedule": "cosinus"}], "valid shapes"),
+        ([{"name": "a", "steps": 3, "lr_schedule": "cosinus"}], "lr_schedule: 'cosinus' is not one of constant, linear, cosine, wsd"),
         ([{"name": "a", "steps": 3, "overrides": {"train.lrr": 1}}], "train.lr"),
     ],
 )
 def test_bad_stages_are_config_errors_at_load(stages, needle, tmp_path):
-    cfg = config_from_dict(base(["unused"], str(tmp_path), stages))
-    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
-        resolve_stages(cfg)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):  # at load, or when resolved
+        resolve_stages(config_from_dict(base(["unused"], str(tmp_path), stages)))
 
 
 def test_per_stage_proportions_follow_the_weights(corpora, tmp_path):

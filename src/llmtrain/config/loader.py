@@ -218,6 +218,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if value is None and type(None) in typing.get_args(tp):
             return None
         tp = _strip_optional(tp)
+    if typing.get_origin(tp) is typing.Literal:
+        return _choice(value, typing.get_args(tp), key, source)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if tp is DatasetSpec and isinstance(value, str):  # shorthand: a bare prefix means weight 1
             value = {"path": value}
@@ -254,6 +256,30 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             return str(value)
         raise ConfigError(f"{source}: {key}: expected a string, got {value!r}.")
     raise ConfigError(f"{source}: {key}: field type {tp!r} is not supported by the loader.")  # schema bug
+
+
+def choice_error(key: str, value: Any, allowed: Sequence[Any], hint: str = "") -> str:
+    """The one message for a value outside a field's allowed values (a ``Literal`` in the schema)."""
+    names = [str(a) for a in allowed if a is not None]
+    close = difflib.get_close_matches(str(value).lower(), names, n=1, cutoff=0.5)
+    near = f" (did you mean {close[0]!r}?)" if close else ""
+    shown = ", ".join(names) + (" or null" if None in allowed else "")
+    return f"{key}: {value!r} is not one of {shown}{near}{hint}."
+
+
+def literal_values(tp: Any) -> tuple[Any, ...] | None:
+    """The allowed values of a field type ``Literal[...]`` / ``Literal[...] | None`` (None: not a Literal)."""
+    optional = _is_union(tp) and type(None) in typing.get_args(tp)
+    tp = _strip_optional(tp)
+    if typing.get_origin(tp) is not typing.Literal:
+        return None
+    return (*typing.get_args(tp), *((None,) if optional else ()))
+
+
+def _choice(value: Any, allowed: tuple[Any, ...], key: str, source: str) -> Any:
+    if isinstance(value, str | int | float) and not isinstance(value, bool) and value in allowed:
+        return value
+    raise ConfigError(f"{source}: {choice_error(key, value, allowed)}")
 
 
 def _number(value: Any) -> float | int | None:

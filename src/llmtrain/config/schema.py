@@ -9,7 +9,7 @@ it); ``llmtrain check --explain`` could print them. Cross-field rules live in ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass
@@ -24,7 +24,7 @@ class MoEConfig:
     """Hidden width of each expert's SwiGLU (and of each shared expert)."""
     shared_experts: int | None = None
     """Always-on shared experts (one SwiGLU of width shared_experts x moe_hidden_size); 0 = none."""
-    router_score: str | None = None
+    router_score: Literal["softmax", "sigmoid"] | None = None
     """softmax (Qwen, Mixtral) or sigmoid (DeepSeek-V3) router scores."""
     route_norm: bool | None = None
     """Renormalise the top_k weights of each token to sum to 1."""
@@ -75,7 +75,7 @@ class ModelConfig:
     high_freq_factor, original_max_position_embeddings}."""
     use_rope: bool = True
     """Rotary position embeddings (False only with position_embedding: alibi)."""
-    position_embedding: str | None = None
+    position_embedding: Literal["rope", "alibi"] | None = None
     """rope or alibi (Baichuan 2 13B)."""
     partial_rotary_factor: float | None = None
     """Fraction of each head's dims that are rotated (GLM-4: 0.5)."""
@@ -125,7 +125,7 @@ class ParallelConfig:
     """Pipeline micro-batches per step."""
     micro_batch_interleave: bool = False
     """Seed key; accepted and mapped to the interleaved pipeline schedule when pipeline_parallel > 1."""
-    schedule: str = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedules)."""
@@ -161,7 +161,7 @@ class TrainConfig:
     """Optimizer steps to train."""
     epochs: int | None = None
     """Seed key; when set, caps training at this many passes over the data (max_steps still applies)."""
-    optimizer: str = "adamw"
+    optimizer: Literal["adamw"] = "adamw"
     """Optimizer: adamw."""
     lr: float = 3e-4
     """Peak learning rate."""
@@ -175,11 +175,11 @@ class TrainConfig:
     """AdamW beta2."""
     eps: float = 1e-8
     """AdamW epsilon."""
-    optimizer_impl: str = "auto"
+    optimizer_impl: Literal["auto", "fused", "foreach", "single"] = "auto"
     """AdamW kernel: auto, fused, foreach or single."""
     warmup_steps: int = 0
     """Linear warmup steps from 0 to lr."""
-    decay_style: str = "cosine"
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     """Schedule after warmup: cosine, linear, constant or wsd (warmup-stable-decay)."""
     decay_steps: int | None = None
     """Steps over which to decay after warmup; None means max_steps - warmup_steps."""
@@ -187,7 +187,7 @@ class TrainConfig:
     """With decay_style wsd: the final fraction of decay_steps spent decaying (linearly) to min_lr."""
     grad_clip_norm: float | None = 1.0
     """Clip the global gradient norm to this value; None or 0 disables clipping (the norm is still logged)."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32, bf16 (autocast) or fp16 (autocast with dynamic loss scaling)."""
     loss_scale: Any = "dynamic"
     """fp16 loss scaling: dynamic or a fixed number. Ignored for fp32/bf16."""
@@ -284,7 +284,7 @@ class LoggingConfig:
     """Also log metrics to Weights & Biases (needs `pip install wandb`)."""
     wandb_project: str = "llmtrain"
     """W&B project name."""
-    wandb_mode: str = "offline"
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     """W&B mode: online, offline (no network; `wandb sync` later) or disabled."""
 
 
@@ -320,7 +320,7 @@ class RunConfig:
 class RecomputeConfig:
     """Activation recomputation (checkpointing), applied per transformer block from outside the model."""
 
-    mode: str = "none"
+    mode: Literal["none", "selective", "full"] = "none"
     """none, selective (every `every`-th block is recomputed) or full (every block)."""
     every: int = 2
     """With mode selective: recompute one block in this many."""
@@ -332,9 +332,9 @@ class StabilityConfig:
 
     enabled: bool = True
     """Watch the run at all."""
-    rule: str = "mad"
+    rule: Literal["mad", "sigma", "ratio"] = "mad"
     """Spike rule: mad (median + k * MAD), sigma (mean + k * std) or ratio (r x the recent median)."""
-    watch: list[str] = field(default_factory=lambda: ["loss"])
+    watch: list[Literal["loss", "grad_norm"]] = field(default_factory=lambda: ["loss"])
     """Metrics the rule is applied to: loss and/or grad_norm."""
     window: int = 50
     """Good steps in the rolling window of statistics."""
@@ -376,7 +376,7 @@ class FaultConfig:
     """How long an injected hang sleeps (the watchdog should fire first)."""
     nan_at_step: list[int] = field(default_factory=list)
     """Poison the loss (nan_target: loss) or a gradient (grad) with NaN at these steps."""
-    nan_target: str = "loss"
+    nan_target: Literal["loss", "grad"] = "loss"
     """Where the NaN goes: loss or grad."""
     spike_at_step: list[int] = field(default_factory=list)
     """Corrupt the batch tokens (random labels) at these steps: a loss spike."""
@@ -386,7 +386,7 @@ class FaultConfig:
     """Truncate a data file of the checkpoint being written at these steps, then SIGKILL (before commit)."""
     corrupt_checkpoint_at_step: list[int] = field(default_factory=list)
     """After committing the checkpoint of these steps, damage one of its .distcp files."""
-    corrupt_mode: str = "flip"
+    corrupt_mode: Literal["flip", "truncate"] = "flip"
     """flip (one byte changed) or truncate (half the file)."""
     rank: int = 0
     """The rank that is killed, hung or gets the NaN (-1: every rank)."""
@@ -416,7 +416,7 @@ class StageConfig:
     lr_end: float | None = None
     """LR at the stage's last step as a fraction of the peak train.lr (default: the LR the stage starts with;
     for the last stage train.min_lr / train.lr)."""
-    lr_schedule: str | None = None
+    lr_schedule: Literal["constant", "linear", "cosine", "wsd"] | None = None
     """Shape from the stage's start LR to lr_end: constant (lr_end throughout), linear, cosine or wsd (constant,
     then linear over the last train.wsd_decay_fraction of the stage). Default: train.decay_style."""
     datasets: list[DatasetSpec] = field(default_factory=list)

@@ -20,28 +20,23 @@ Order of the checks (the first failure is the one reported):
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import operator
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from llmtrain.config.derived import Derived, derive
+from llmtrain.config.loader import choice_error, literal_values
 from llmtrain.config.schema import Config
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.feasibility import layout_problems, raise_fatal
 
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "train.decay_style": ("cosine", "linear", "constant", "wsd"),
-    "train.precision": ("fp32", "bf16", "fp16"),
-    "train.optimizer": ("adamw",),
-    "train.optimizer_impl": ("auto", "fused", "foreach", "single"),
-    "run.device_target": ("auto", "cpu", "cuda", "npu"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
-    "model.position_embedding": (None, "rope", "alibi"),
-    "recompute.mode": ("none", "selective", "full"),
-    "logging.wandb_mode": ("online", "offline", "disabled"),
-}
+# Allowed values are the schema's ``Literal`` field types (one source for the loader, this check and the docs);
+# run.device_target stays a string because the seed's spellings (Ascend, GPU, CPU) are mapped onto these.
+_CHOICES: dict[str, tuple[Any, ...]] = {"run.device_target": ("auto", "cpu", "cuda", "npu")}
 _HINTS = {"run.device_target": " (in a config file Ascend, GPU and CPU are also accepted and mapped)"}
 
 _POS, _NONNEG = (lambda v: v > 0), (lambda v: v >= 0)
@@ -132,15 +127,36 @@ def _get(cfg: Config, dotted: str) -> Any:
     return operator.attrgetter(dotted)(cfg)
 
 
+def _literal_fields(cls: Any, prefix: str = "") -> list[tuple[str, tuple[Any, ...], bool]]:
+    """(dotted key, allowed values, is a list) of every ``Literal`` field below the dataclass ``cls``."""
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        key = f"{prefix}{name}"
+        inner = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+        allowed = literal_values(inner)
+        if allowed is not None:
+            out.append((key, allowed, inner is not tp))
+        elif isinstance(inner, type) and dataclasses.is_dataclass(inner) and inner is not tp:
+            continue  # lists of sections (stages, datasets) are checked by their own rules
+        elif isinstance(inner, type) and dataclasses.is_dataclass(inner):
+            out += _literal_fields(inner, f"{key}.")
+        elif typing.get_origin(tp) in (typing.Union, types.UnionType):
+            sections = [a for a in typing.get_args(tp) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+            for section in sections:
+                out += _literal_fields(section, f"{key}.")
+    return out
+
+
 def _check_fields(cfg: Config) -> None:
-    for key, allowed in _CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            names = [a for a in allowed if a is not None]
-            close = difflib.get_close_matches(str(value).lower(), names, n=1, cutoff=0.5)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            shown = ", ".join(names) + (" or null" if None in allowed else "")
-            raise ConfigError(f"{key}: {value!r} is not one of {shown}{hint}{_HINTS.get(key, '')}.")
+    choices = [(k, v, False) for k, v in _CHOICES.items()] + _literal_fields(Config)
+    for key, allowed, is_list in choices:
+        try:
+            value = _get(cfg, key)
+        except AttributeError:  # an optional section that is not set
+            continue
+        for item in value if is_list else [value]:
+            if item not in allowed:
+                raise ConfigError(choice_error(key, item, allowed, _HINTS.get(key, "")))
     for key, ok, what in _RANGES:
         value = _get(cfg, key)
         if not ok(value):
