@@ -42,7 +42,7 @@ import yaml
 
 from llmtrain.config import config_from_dict, derive
 from llmtrain.models import build_model
-from llmtrain.train.checkpoint import load_model_weights
+from llmtrain.train.checkpoint import load_model_weights, step_dir
 
 KINDS = ("kill", "hang", "crash_in_save", "corrupt_checkpoint", "nan", "spike")
 RESTARTING = ("kill", "hang", "crash_in_save")
@@ -120,7 +120,7 @@ def launch(cfg: dict, path: Path, max_restarts: int) -> tuple[int, str, float]:
 
 
 def final_params(cfg: dict, run_dir: Path, step: int) -> dict[str, torch.Tensor] | None:
-    ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+    ckpt = step_dir(run_dir / "checkpoints", step)
     if not ckpt.exists():
         return None
     model = build_model(derive(config_from_dict(cfg), world_size=1).model_args, device="meta")

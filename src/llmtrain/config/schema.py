@@ -235,7 +235,7 @@ class DataConfig:
     """Mixture changes: [{start_sample: N, weights: [one per data.datasets entry]}]; from global sample N the
     blend uses these weights (zero allowed)."""
     prepare: dict | None = None
-    """Settings of `llmtrain prepare --config` (see llmtrain.data.pipeline.PrepareOptions)."""
+    """Settings of `llmtrain prepare --config` (see llmtrain.data.prep.pipeline.PrepareOptions)."""
 
 
 @dataclass

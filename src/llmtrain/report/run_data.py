@@ -136,9 +136,6 @@ def load_run(run_dir: str | Path) -> RunData:
     )
 
 
-_DEVICE = {"cpu": "cpu", "cuda": "h100", "npu": "ascend-910b"}
-
-
 def plan_estimate(run: RunData) -> tuple[dict | None, str]:
     """The planner's figures for the run's config on its device and world size, or (None, why not)."""
     cfg_path = run.run_dir / "config.yaml"
@@ -152,8 +149,11 @@ def plan_estimate(run: RunData) -> tuple[dict | None, str]:
         cfg, _ = load_config(str(cfg_path), [])
         start = (run.events_of("run_start") or [{}])[-1]
         world = int(start.get("world_size") or len((run.latest() or [{}])[-1].get("rank_step_time_s") or [1]))
-        device = _DEVICE.get(str(start.get("device") or cfg.run.device_target), "h100")
-        cluster = parse_cluster(f"{world}x{device}", load_catalog(None))
+        catalog = load_catalog(None)  # the device by the name the run recorded (older runs: by its type)
+        found = catalog.match(str(start.get("device_name") or "")) or catalog.match(
+            str(start.get("device") or cfg.run.device_target)
+        )
+        cluster = parse_cluster(f"{world}x{found.name if found else 'h100'}", catalog)
         layout, margs, tokens_per_step = layout_from_config(cfg, world, cfg.recompute.mode, False)
         result = evaluate(margs, layout, cluster, tokens_per_step, bool(cfg.train.compile))
         return {

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from llmtrain.config.schema import FaultConfig
 from llmtrain.errors import HANG_EXIT_CODE
+from llmtrain.train.checkpoint.layout import data_files, step_of
 
 KINDS = ("kill", "hang", "nan", "spike", "crash_in_save", "corrupt_checkpoint")
 
@@ -139,9 +140,9 @@ class FaultInjector:
     # ---- checkpoint hooks
     def during_save(self, event: str, tmp_dir: Path) -> None:
         """``Checkpointer.fault_hook``: a crash after the data write, before the commit (a partial file)."""
-        step = int(Path(tmp_dir).name.split("_")[1].split(".")[0])
+        step = step_of(tmp_dir)
         if event == "written" and self._due("crash_in_save", step, self.cfg.crash_in_save_at_step, True):
-            files = sorted(Path(tmp_dir).glob("*.distcp"))
+            files = data_files(tmp_dir)
             if files:
                 damage_file(files[0], "truncate")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -150,7 +151,7 @@ class FaultInjector:
         if self.rank == 0 and self._due(
             "corrupt_checkpoint", step, self.cfg.corrupt_checkpoint_at_step, True
         ):
-            files = sorted(Path(path).glob("*.distcp"))
+            files = data_files(path)
             if files:
                 damage_file(files[0], self.cfg.corrupt_mode)
 

@@ -27,7 +27,7 @@ from llmtrain.config import config_to_dict, derive
 from llmtrain.config.schema import Config
 from llmtrain.config.stages import SINGLE_STAGE, StagePlan
 from llmtrain.errors import LLMTrainError
-from llmtrain.plan.peak import peak_tflops
+from llmtrain.plan.peak import peak_tflops, runtime_device_name
 from llmtrain.train.build import build_run
 from llmtrain.train.callbacks import Callback, default_callbacks
 from llmtrain.train.checkpoint import step_dir, step_of
@@ -114,6 +114,7 @@ class Trainer:
             "run_start", step=self.step, max_steps=self.max_steps, world_size=self.world_size,
             num_params=self.derived.num_params, layout=self.derived.dims.mesh_shape(),
             hosts=self.stragglers.hosts, device=self.device.type,
+            device_name=runtime_device_name(self.device) or self.device.type,
         )  # fmt: skip
         ok = False
         try:

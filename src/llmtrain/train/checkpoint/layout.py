@@ -80,8 +80,10 @@ def is_step_dir(path: str | Path) -> bool:
 
 
 def step_of(path: str | Path) -> int:
-    """The step of a checkpoint directory (``.../step_00000100`` -> 100); ValueError for any other name."""
-    m = STEP_DIR.match(Path(path).name)
+    """The step of a checkpoint directory or of a save in progress (``.../step_00000100``, ``step_00000100.tmp``
+    -> 100); ValueError for any other name."""
+    name = Path(path).name
+    m = STEP_DIR.match(name[: -len(TMP_SUFFIX)] if name.endswith(TMP_SUFFIX) else name)
     if m is None:
         raise ValueError(f"{path} is not a checkpoint directory (expected a name like {step_name(100)})")
     return int(m.group(1))
@@ -103,7 +105,7 @@ def rng_file(ckpt_dir: str | Path, rank: int) -> Path:
     return Path(ckpt_dir) / f"rng_rank{rank}.json"
 
 
-def sidecar_file(ckpt_dir: str | Path, prefix: str) -> Path:
+def sidecar_file(ckpt_dir: str | os.PathLike, prefix: str) -> Path:
     """The digests file of a writer whose data files start with ``prefix`` (DCP's ``__{rank}_``)."""
     return Path(ckpt_dir) / f"{prefix}{SIDECAR_SUFFIX}"
 
