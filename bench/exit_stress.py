@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_exit import _config, _finish, _start, busy_cores  # noqa: E402 - the test's own runs
+from test_exit import _config, _finish, _start, busy_cores  # the test's own runs
 
 RAW_WORKER = """
 import sys, torch, torch.distributed as dist

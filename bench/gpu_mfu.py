@@ -114,7 +114,7 @@ def make_config(a: argparse.Namespace, size: str, prefix: str, out: str, world: 
     }
 
 
-def sdpa_context(kind: str, device: str):  # noqa: ANN201
+def sdpa_context(kind: str, device: str):
     """Restrict SDPA to the flash kernel on CUDA (``auto``, and any CPU run: torch's own choice)."""
     if kind == "flash" and device == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmtrain import check
+from llmtrain.commands import check
 from llmtrain.config import config_from_dict, load_config
 from llmtrain.errors import ConfigError
 

@@ -180,7 +180,7 @@ def test_evicted_node_job_resumes_on_survivor_with_same_global_batch(tiny_corpus
     ]  # fmt: skip
 
     def agent(tag: str) -> subprocess.Popen:
-        log = open(tmp_path / f"agent_{tag}.log", "w")  # noqa: SIM115 - closed with the process
+        log = open(tmp_path / f"agent_{tag}.log", "w")  # closed with the process
         return subprocess.Popen(launch_cmd(cfg_file, *extra), stdout=log, stderr=subprocess.STDOUT, env=ENV,
                                 start_new_session=True)  # fmt: skip
 

@@ -71,7 +71,7 @@ def _start(cfg: dict, tmp: Path) -> list[subprocess.Popen]:
             **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
         }  # fmt: skip
-        err = open(tmp / f"rank{rank}.err", "w")  # noqa: SIM115 - closed by the child's exit
+        err = open(tmp / f"rank{rank}.err", "w")  # closed by the child's exit
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "llmtrain.cli", "train", str(cfg_file)],

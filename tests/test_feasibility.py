@@ -2,8 +2,8 @@
 
 For every fatal rule in ``RULES``: ``llmtrain check CONFIG --world-size N`` exits 2 with the message (no
 traceback), and what ``llmtrain train`` runs before building (``load_config`` + ``validate(cfg, world_size,
-require_data=True)``, as in ``train/entry.py``) raises a ConfigError with the same text, which is also the first
-fatal problem ``layout_problems`` reports for that rule. Two rules that used to be refused only inside
+require_data=True)``, as in ``commands/train.py``) raises a ConfigError with the same text, which is also the
+first fatal problem ``layout_problems`` reports for that rule. Two rules that used to be refused only inside
 ``parallelize`` (after the process groups were up) go through a real ``llmtrain train`` under 2 gloo processes;
 the builders' own assertion gives the same text. The planner's search proposes no candidate that training
 refuses (each candidate is written as a user would and validated), and the module imports no torch.
@@ -102,7 +102,7 @@ def config_file(tiny_corpus, tmp_path_factory) -> Path:
 
 
 def trainer_verdict(path: Path, overrides: list[str], world: int) -> str | None:
-    """What `llmtrain train` does before building (train/entry.py): the ConfigError text, or None if it passes."""
+    """What `llmtrain train` does before building (commands/train.py): the ConfigError text, or None if it passes."""
     cfg, _ = load_config(path, overrides)
     try:
         validate(cfg, world_size=world, require_data=True)
@@ -196,7 +196,9 @@ def test_real_train_under_two_gloo_processes(rule, config_file, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0
-    assert proc.stderr.count(f"llmtrain train: error: {message}\n") == 2, proc.stderr[-3000:]
+    # every rank that got to print printed the same message; the agent may stop the slower one first (SIGTERM)
+    assert proc.stderr.count(f"llmtrain train: error: {message}\n") >= 1, proc.stderr[-3000:]
+    assert proc.stderr.count("llmtrain train: error: ") == proc.stderr.count(f"llmtrain train: error: {message}\n")
     assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr.split("llmtrain train: error")[0]
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llmtrain.commands.prepare import add_arguments, main
 from llmtrain.data.indexed import IndexedDataset
 from llmtrain.data.manifest import read_manifest, tokenizer_path
-from llmtrain.data.prep.prepare import add_arguments, main, prepare
+from llmtrain.data.prep.prepare import prepare
 from llmtrain.data.prep.tokenizer_training import train_bpe
 from llmtrain.data.tokenizer import load_tokenizer, sha256_file
 from llmtrain.errors import DataError

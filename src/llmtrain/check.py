@@ -16,11 +16,13 @@ prints them as one paragraph and exits with code 2. Layout refusals come from ``
 ``validate``, so their verdict and message are the ones ``train`` gives for the same config and world size
 (MoE with TP / PP, CPU offload without data parallel and the expert-parallel limits included, which
 ``train`` used to refuse only after its process groups were up).
+
+This module is the check itself (:func:`print_check`); the command's flags are in
+:mod:`llmtrain.commands.check`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -35,26 +37,16 @@ from llmtrain.distributed.parallel_dims import default_world_size
 from llmtrain.errors import ConfigError
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config file (native sections or the MindFormers flat layout)")
-    parser.add_argument(
-        "overrides", nargs="*", metavar="section.key=value",
-        help="dotted overrides in native names, applied after the file (e.g. train.lr=1e-3)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--world-size", type=int, default=None,
-        help="number of processes to check for (default: $WORLD_SIZE, else the product of the degrees)",
-    )  # fmt: skip
-
-
-def main(args: argparse.Namespace) -> int:
-    cfg, notes = load_config(args.config, args.overrides)
-    world_size, origin = resolve_world_size(cfg, args.world_size)
+def print_check(config: str, overrides: list[str], world_size: int | None = None) -> None:
+    """Load, validate and derive ``config`` (with ``overrides``) for ``world_size`` (None: see the module
+    docstring), then print the three blocks on stdout; ConfigError/DataError if the config is refused."""
+    cfg, notes = load_config(config, overrides)
+    size, origin = resolve_world_size(cfg, world_size)
     stages = resolve_stages(cfg) if cfg.stages else None  # from the config as written, as in train
     if stages is not None:  # the stage plan fixes the run's length
         cfg.train.max_steps = stages[1][-1].end_step
-    derived, warnings = check_config(cfg, world_size, require_data=False)
-    print(f"# llmtrain check {args.config}: OK\n# resolved config")
+    derived, warnings = check_config(cfg, size, require_data=False)
+    print(f"# llmtrain check {config}: OK\n# resolved config")
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
     print("\n# derived")
     for label, value in derived_lines(cfg, derived, origin):
@@ -71,7 +63,6 @@ def main(args: argparse.Namespace) -> int:
             print(f"\n# {title}")
             for line in lines:
                 print(f"- {line}")
-    return 0
 
 
 def resolve_world_size(cfg: Config, explicit: int | None) -> tuple[int, str]:

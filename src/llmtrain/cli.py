@@ -1,8 +1,9 @@
 """The one entry point: ``llmtrain <command> ...``.
 
-Each command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``; this file only
-wires them up and turns user errors (:class:`llmtrain.errors.LLMTrainError`) into a one-paragraph message on
-stderr and exit code 2, without a traceback. Command modules are imported lazily so ``llmtrain --help`` is fast.
+Each command lives in its own module of :mod:`llmtrain.commands` exposing ``add_arguments(parser)`` and
+``main(args) -> int``; this file only wires them up and turns user errors
+(:class:`llmtrain.errors.LLMTrainError`) into a one-paragraph message on stderr and the error's exit code
+(2 for bad input), without a traceback. Command modules are imported lazily so ``llmtrain --help`` is fast.
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ from llmtrain.errors import LLMTrainError
 
 # command -> (module, one-line help). An explicit registry: nothing is imported by a user-supplied name.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare": ("llmtrain.data.prep.prepare", "tokenize text into Megatron .bin/.idx token shards"),
-    "train": ("llmtrain.train.entry", "train from a YAML config (also under torchrun)"),
-    "check": ("llmtrain.check", "validate a config and print it with derived figures"),
-    "generate": ("llmtrain.train.sample", "sample text from a run directory or checkpoint"),
-    "demo": ("llmtrain.demo", "prepare the stdlib sources, train the demo model on the CPU, sample"),
-    "plan": ("llmtrain.plan.cli", "estimate memory, step time, MFU and cost of a run; search layouts"),
-    "merge": ("llmtrain.data.prep.merge", "join the partitions written by `prepare --partition i/N`"),
-    "export": ("llmtrain.export", "export a checkpoint to Hugging Face safetensors"),
-    "launch": ("llmtrain.launch", "run `train` under torchrun (multi-process, multi-node, elastic)"),
-    "report": ("llmtrain.report", "write a self-contained HTML report of a run directory (live or finished)"),
+    "prepare": ("llmtrain.commands.prepare", "tokenize text into Megatron .bin/.idx token shards"),
+    "train": ("llmtrain.commands.train", "train from a YAML config (also under torchrun)"),
+    "check": ("llmtrain.commands.check", "validate a config and print it with derived figures"),
+    "generate": ("llmtrain.commands.generate", "sample text from a run directory or checkpoint"),
+    "demo": ("llmtrain.commands.demo", "prepare the stdlib sources, train the demo model on the CPU, sample"),
+    "plan": ("llmtrain.commands.plan", "estimate memory, step time, MFU and cost of a run; search layouts"),
+    "merge": ("llmtrain.commands.merge", "join the partitions written by `prepare --partition i/N`"),
+    "export": ("llmtrain.commands.export", "export a checkpoint to Hugging Face safetensors"),
+    "launch": ("llmtrain.commands.launch", "run `train` under torchrun (multi-process, multi-node, elastic)"),
+    "report": (
+        "llmtrain.commands.report",
+        "write a self-contained HTML report of a run directory (live or finished)",
+    ),
 }
 
 

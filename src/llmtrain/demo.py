@@ -7,11 +7,12 @@
 
 A second ``llmtrain demo`` with the same output directory reuses the prepared data and resumes training from
 the newest checkpoint (``checkpoint.resume: auto``).
+
+This module is the demo (:func:`run_demo`); the command's flags are in :mod:`llmtrain.commands.demo`.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import sysconfig
@@ -24,16 +25,6 @@ import torch
 from llmtrain.errors import DataError
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--input", nargs="+", default=None, help="text/jsonl files (default: the stdlib sources)"
-    )
-    parser.add_argument("--output-dir", default="runs/demo", help="run directory (default: runs/demo)")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary trained on the corpus")
-    parser.add_argument("--prompt", default="def ", help="prompt of the sample printed at the end")
-    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.max_steps=50")
-
-
 def stdlib_sources() -> list[str]:
     """The top-level modules of this interpreter's standard library (about 5 MB of Python)."""
     files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
@@ -42,7 +33,15 @@ def stdlib_sources() -> list[str]:
     return files
 
 
-def main(args: argparse.Namespace) -> int:
+def run_demo(
+    output_dir: str | Path,
+    inputs: list[str] | None = None,
+    vocab_size: int = 4096,
+    prompt: str = "def ",
+    overrides: list[str] | tuple[str, ...] = (),
+) -> None:
+    """Prepare ``inputs`` (None: :func:`stdlib_sources`), train and sample into ``output_dir``, printing the
+    steps and where the results are (the module docstring has the stages)."""
     from llmtrain.config import load_config, validate
     from llmtrain.data.manifest import manifest_path
     from llmtrain.data.prep.prepare import prepare
@@ -51,21 +50,21 @@ def main(args: argparse.Namespace) -> int:
     from llmtrain.train.trainer import Trainer
 
     t0 = time.time()
-    out = Path(args.output_dir)
+    out = Path(output_dir)
     prefix = out / "data" / "corpus"
     if manifest_path(str(prefix)).exists():
         print(f"[1/3] reusing prepared data {prefix}")
     else:
-        inputs = args.input or stdlib_sources()
-        print(f"[1/3] preparing {len(inputs)} files -> {prefix} (training a {args.vocab_size}-token BPE)")
+        inputs = inputs or stdlib_sources()
+        print(f"[1/3] preparing {len(inputs)} files -> {prefix} (training a {vocab_size}-token BPE)")
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        prepare(inputs, str(prefix), train_tokenizer=args.vocab_size, workers=1)
+        prepare(inputs, str(prefix), train_tokenizer=vocab_size, workers=1)
 
     cfg_file = resources.files("llmtrain") / "configs" / "demo.yaml"
     with resources.as_file(cfg_file) as path:
         cfg, notes = load_config(
             path,
-            [f"data.datasets=[{{path: '{prefix}', weight: 1.0}}]", f"run.output_dir={out}", *args.overrides],
+            [f"data.datasets=[{{path: '{prefix}', weight: 1.0}}]", f"run.output_dir={out}", *overrides],
         )
     if cfg.run.threads is None:
         cfg.run.threads = max(torch.get_num_threads(), 1)
@@ -79,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     model, tok, ckpt = load_for_generation(out)
     ids = generate(
         model,
-        tok.encode(args.prompt),
+        tok.encode(prompt),
         80,
         temperature=0.8,
         top_k=40,
@@ -89,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     print("-" * 72)
-    print(args.prompt + tok.decode(ids))
+    print(prompt + tok.decode(ids))
     print("-" * 72)
     if vals:
         print(f"validation loss {vals[0]:.3f} -> {vals[-1]:.3f} (drop {vals[0] - vals[-1]:.3f} nats)")
@@ -99,4 +98,3 @@ def main(args: argparse.Namespace) -> int:
     print(f"loss plot     : {out / 'loss.png'}")
     print(f"sample again  : llmtrain generate {out} --prompt 'import '")
     print(f"done in {time.time() - t0:.0f} s (step {result['step']})")
-    return 0

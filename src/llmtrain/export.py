@@ -5,23 +5,15 @@ the model is rebuilt from the run's ``config.yaml`` exactly as ``llmtrain genera
 from DCP without a process group (any saved layout reshards to one process), and written by
 ``models.hf_io.save_hf``: safetensors (sharded above ``--max-shard-gb``), config.json, generation_config.json
 and the run's tokenizer. ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` then gives our logits.
+
+This module is the export (:func:`export_hf`); the command's flags are in :mod:`llmtrain.commands.export`.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from llmtrain.errors import ConfigError
-
 FORMATS = ("hf",)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="run directory, or a checkpoint directory (…/checkpoints/step_N)")
-    parser.add_argument("--to", default="hf", help="output format: hf (Hugging Face safetensors)")
-    parser.add_argument("out", help="output directory")
-    parser.add_argument("--max-shard-gb", type=float, default=4.0, help="largest safetensors file")
 
 
 def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 4 << 30) -> list[Path]:
@@ -39,16 +31,3 @@ def export_hf(source: str | Path, out: str | Path, max_shard_bytes: int = 4 << 3
         bos_id=tok.bos_id,
         max_shard_bytes=max_shard_bytes,
     )
-
-
-def main(args: argparse.Namespace) -> int:
-    if args.to not in FORMATS:
-        raise ConfigError(f"export --to {args.to!r} is not supported; valid: {', '.join(FORMATS)}.")
-    if args.max_shard_gb <= 0:
-        raise ConfigError(f"export --max-shard-gb must be positive, got {args.max_shard_gb}.")
-    files = export_hf(args.source, args.out, int(args.max_shard_gb * (1 << 30)))
-    total = sum(f.stat().st_size for f in files)
-    print(f"exported {args.source} -> {args.out}: {len(files)} files, {total / 1e6:.1f} MB")
-    for f in files:
-        print(f"  {f.name}")
-    return 0

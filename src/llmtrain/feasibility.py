@@ -168,6 +168,34 @@ def data_parallel_size(p: ParallelConfig, world_size: int) -> int:
     return p.data_parallel
 
 
+@dataclass(frozen=True)
+class Degrees:
+    """The parallel degrees of a layout without degree problems (``distributed.ParallelDims`` builds its mesh
+    from these): data parallel splits into replicate x shard (ZeRO 0 shards nothing)."""
+
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    dp_replicate: int
+    dp_shard: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def degrees(p: ParallelConfig, world_size: int) -> Degrees:
+    dp, replicate = data_parallel_size(p, world_size), p.data_parallel_replicate
+    if p.effective_zero_stage() == 0:  # plain data parallelism: full replicas, nothing sharded
+        replicate, shard = dp, 1
+    else:
+        shard = dp // replicate
+    return Degrees(
+        p.tensor_parallel, p.context_parallel, p.pipeline_parallel, p.expert_parallel, replicate, shard
+    )
+
+
 def _int(value: object, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
@@ -268,13 +296,11 @@ def layout_problems(cfg: Config, world_size: int, model: ModelShape | None = Non
     """Every layout rule that applies to ``cfg`` on ``world_size`` processes, fatal ones and warnings, in
     ``RULES`` order. ``model``: the resolved ``TransformerArgs`` (without it the rules on the architecture are
     skipped). Degree problems end the list (nothing else can be computed without a mesh)."""
-    from llmtrain.distributed.parallel_dims import ParallelDims  # lazy: parallel_dims imports this module
-
     p = cfg.parallel
     out = _Found(degree_problems(p, world_size))
     if out:
         return out
-    dims = ParallelDims.from_config(p, world_size)
+    dims = degrees(p, world_size)
     tp, cp, dp = dims.tp, dims.cp, dims.dp
     if cp > 1:
         out.add(
@@ -355,7 +381,7 @@ def _tp_split(out: _Found, m: ModelShape, tp: int, seq: int) -> None:
         )
 
 
-def _moe(out: _Found, m: ModelShape, dims) -> None:  # noqa: ANN001 (ParallelDims, imported lazily)
+def _moe(out: _Found, m: ModelShape, dims: Degrees) -> None:
     n, ep, dp = m.num_experts, dims.ep, dims.dp
     if n and (dims.tp > 1 or dims.pp > 1):
         out.add(

@@ -5,87 +5,89 @@ Single node: ``--standalone`` (a free local port). Several nodes: a c10d rendezv
 after losing one, restarted up to ``--max-restarts`` times; training resumes from the newest checkpoint).
 ``llmtrain train`` also runs directly under a torchrun the user starts; this command only builds the torchrun
 line (printed first) and forwards its exit code. Templates for Slurm and mpirun are in ``scripts/``.
+
+This module is the launcher (:class:`LaunchSpec`, :func:`launch`); the command's flags are in
+:mod:`llmtrain.commands.launch`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.errors import PREEMPTED_EXIT_CODE
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, passed on to `llmtrain train`")
-    parser.add_argument("--nproc-per-node", type=int, required=True, help="processes (devices) per node")
-    parser.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic job (default 1)")
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (static multi-node)")
-    parser.add_argument("--master-addr", default=None, help="rendezvous host (multi-node)")
-    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port (default 29500)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="elastic restarts before giving up")
-    parser.add_argument(
-        "--run-id", default=None, help="rendezvous id (default: derived from the config path)"
-    )
-    parser.add_argument(
-        "--rdzv-conf",
-        default=None,
-        help="torchrun rendezvous settings for elastic jobs, e.g. join_timeout=60,last_call_timeout=5",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run it")
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to run and how torchrun lays it out (the flags of ``llmtrain launch``, same names and defaults)."""
+
+    config: str
+    overrides: list[str]
+    nproc_per_node: int
+    nnodes: str = "1"  # N, or MIN:MAX for an elastic job
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int = 29500
+    max_restarts: int = 0
+    run_id: str | None = None  # None: derived from the config path
+    rdzv_conf: str | None = None
 
 
-def torchrun_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
-    if args.nnodes in ("1", "1:1") and args.master_addr is None:
+def torchrun_command(spec: LaunchSpec) -> list[str]:
+    """The torchrun command line that runs ``llmtrain train`` as ``spec`` describes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc_per_node}"]
+    if spec.nnodes in ("1", "1:1") and spec.master_addr is None:
         cmd.append("--standalone")
     else:
-        if args.master_addr is None:
+        if spec.master_addr is None:
             from llmtrain.errors import ConfigError
 
             raise ConfigError(
                 "--nnodes other than 1 needs --master-addr (the rendezvous host) and --master-port."
             )
-        run_id = args.run_id or hashlib.sha1(os.path.abspath(args.config).encode()).hexdigest()[:12]
+        run_id = spec.run_id or hashlib.sha1(os.path.abspath(spec.config).encode()).hexdigest()[:12]
         cmd += [
-            f"--nnodes={args.nnodes}",
+            f"--nnodes={spec.nnodes}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={args.master_addr}:{args.master_port}",
+            f"--rdzv-endpoint={spec.master_addr}:{spec.master_port}",
             f"--rdzv-id={run_id}",
         ]
-        if getattr(args, "rdzv_conf", None):
-            cmd.append(f"--rdzv-conf={args.rdzv_conf}")
-        if args.node_rank is not None:
-            cmd.append(f"--node-rank={args.node_rank}")
+        if spec.rdzv_conf:
+            cmd.append(f"--rdzv-conf={spec.rdzv_conf}")
+        if spec.node_rank is not None:
+            cmd.append(f"--node-rank={spec.node_rank}")
     cmd += [
-        f"--max-restarts={args.max_restarts}",
+        f"--max-restarts={spec.max_restarts}",
         "-m",
         "llmtrain.cli",
         "train",
-        args.config,
-        *args.overrides,
+        spec.config,
+        *spec.overrides,
     ]
     return cmd
 
 
-def main(args: argparse.Namespace) -> int:
+def launch(spec: LaunchSpec, dry_run: bool = False) -> int:
+    """Validate the config for the whole job, print the torchrun line and (unless ``dry_run``) run it; returns
+    torchrun's exit code, or PREEMPTED_EXIT_CODE when the newest attempt was preempted."""
     from llmtrain.config import load_config, validate
 
-    nnodes_min = int(str(args.nnodes).split(":")[0])
-    cfg, _ = load_config(args.config, args.overrides)
-    validate(cfg, world_size=args.nproc_per_node * nnodes_min, require_data=True)  # fail before spawning
-    cmd = torchrun_command(args)
+    nnodes_min = int(str(spec.nnodes).split(":")[0])
+    cfg, _ = load_config(spec.config, spec.overrides)
+    validate(cfg, world_size=spec.nproc_per_node * nnodes_min, require_data=True)  # fail before spawning
+    cmd = torchrun_command(spec)
     print("launch: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    if args.dry_run:
+    if dry_run:
         return 0
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // args.nproc_per_node, 1)))
+    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // spec.nproc_per_node, 1)))
     # Workers must not share the rendezvous TCPStore: after an elastic restart they would read the previous
     # attempt's gloo/NCCL addresses from it ("Connection refused", pytorch/pytorch#135712).
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

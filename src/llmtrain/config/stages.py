@@ -148,6 +148,7 @@ def resolve_stages(cfg: Config) -> tuple[list[str], list[StagePlan]]:
         elif st.tokens is not None:
             steps = math.ceil(st.tokens / tps)
         else:
+            assert st.fraction is not None  # exactly one of the three is given (checked above)
             if not 0 < st.fraction <= 1:
                 raise ConfigError(f"{where}.fraction = {st.fraction}: expected a share in (0, 1].")
             steps = round(st.fraction * budget / tps)

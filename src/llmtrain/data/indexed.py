@@ -72,7 +72,7 @@ class IndexedDatasetWriter:
         if self.dtype not in DTYPE_CODES:
             raise ValueError(f"dtype {self.dtype} has no Megatron code; use one of {list(DTYPE_CODES)}")
         self._limit = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
-        self._bin = open(bin_path(self.prefix), "wb")  # noqa: SIM115 (closed in finalize)
+        self._bin = open(bin_path(self.prefix), "wb")  # closed in finalize()
         self._lengths: list[int] = []  # [S] sequence lengths
         self._doc_ends: list[int] = []  # [D] sequence count after each document
         self.num_tokens = 0
@@ -103,7 +103,7 @@ class IndexedDatasetWriter:
                 f"add_documents needs 1-D {self.dtype} tokens whose size ({tokens.size}) is the sum of "
                 f"lengths ({int(lengths.sum())}); got dtype {tokens.dtype}"
             )
-        self._bin.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+        self._bin.write(np.ascontiguousarray(tokens).data.cast("B"))  # .data: the array's memoryview
         first = len(self._lengths)
         self._lengths.extend(lengths.tolist())
         self._doc_ends.extend(range(first + 1, first + len(lengths) + 1))

@@ -233,15 +233,16 @@ class BinSamples(TokenWindows):
     """Samples of a ``bestfit`` dataset: each stored sequence is one bin, padded with -1 to ``seq_length + 1``."""
 
     PAD = -1
+    _order_cache: tuple[int, np.ndarray] | None = None  # (epoch, its bin order); bins need no _EpochLayout
 
     def _count(self) -> int:
         return len(self._lengths)
 
     def _order(self, epoch: int) -> np.ndarray:
-        if self._cache is None or self._cache[0] != epoch:
+        if self._order_cache is None or self._order_cache[0] != epoch:
             order = np.random.default_rng([self.seed, epoch, 2]).permutation(len(self._lengths))
-            self._cache = (epoch, order)  # type: ignore[assignment]
-        return self._cache[1]  # type: ignore[return-value]
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
 
     def window(self, i: int, epoch: int = 0) -> np.ndarray:
         """Bin ``i`` padded to [T+1] int64 (-1 marks padding)."""
@@ -295,6 +296,8 @@ def _normalise(weights: list[float], where: str) -> list[float]:
 
 class BlendedSamples:
     """Infinite weighted blend of :class:`TokenWindows`; ``sample(g) -> (source index, tokens [T+1])``."""
+
+    eod_mask_loss: bool = False  # set by the loader from data.eod_mask_loss; read by BatchIterator
 
     def __init__(
         self,

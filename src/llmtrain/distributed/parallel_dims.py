@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmtrain.errors import ConfigError
-from llmtrain.feasibility import data_parallel_size, degree_problems, raise_fatal
+from llmtrain.feasibility import degree_problems, degrees, raise_fatal
 
 if (
     TYPE_CHECKING
@@ -72,15 +72,16 @@ class ParallelDims:
         """Degrees from the parallel section and the number of processes; ConfigError (the first of
         :func:`llmtrain.feasibility.degree_problems`) on a bad combination."""
         raise_fatal(degree_problems(p, world_size))
-        dp, replicate = data_parallel_size(p, world_size), p.data_parallel_replicate
-        if p.effective_zero_stage() == 0:  # plain data parallelism: full replicas, nothing sharded
-            replicate, shard = dp, 1
-        else:
-            shard = dp // replicate
+        d = degrees(p, world_size)
         return cls(
-            dp_replicate=replicate, dp_shard=shard, tp=p.tensor_parallel, pp=p.pipeline_parallel,
-            cp=p.context_parallel, ep=p.expert_parallel, world_size=world_size,
-        )  # fmt: skip
+            dp_replicate=d.dp_replicate,
+            dp_shard=d.dp_shard,
+            tp=d.tp,
+            pp=d.pp,
+            cp=d.cp,
+            ep=d.ep,
+            world_size=world_size,
+        )
 
     @property
     def dp(self) -> int:

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -54,7 +55,14 @@ def read_hf_config(path: str | Path) -> tuple[dict[str, Any], TransformerArgs]:
             f"{cfg_file}: model_type {d.get('model_type')!r} is not supported; supported: "
             f"{', '.join(HF_MODEL_TYPES)}."
         )
-    return d, FAMILIES[family].hf.args_from_hf_config(d)
+    return d, _hf_adapter(family).args_from_hf_config(d)
+
+
+def _hf_adapter(family: str) -> ModuleType:
+    """The family's Hugging Face adapter module (``FamilySpec.hf``; every registered family has one)."""
+    adapter = FAMILIES[family].hf
+    assert adapter is not None, f"model family {family!r} has no Hugging Face adapter"
+    return adapter
 
 
 def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -130,10 +138,11 @@ def init_from_hf(model: torch.nn.Module, path: str | Path) -> TransformerArgs:
                 f"model.init_from: {path} does not match the configured model ({'; '.join(diff)}). Set the model "
                 "section to the directory's architecture (or use its config.json values)."
             )
-    sd = FAMILIES[args.family].hf.from_hf_state_dict(read_hf_state_dict(path), args)
+    sd = _hf_adapter(args.family).from_hf_state_dict(read_hf_state_dict(path), args)
     sd = _drop_pruned(model, sd, args)
     opts = StateDictOptions(full_state_dict=True, strict=True)
-    set_model_state_dict(model, sd, options=opts)
+    # torch annotates the state dict as an invariant dict[str, ValueType]; a dict of tensors is one
+    set_model_state_dict(model, sd, options=opts)  # type: ignore[arg-type]
     return args
 
 
@@ -169,7 +178,7 @@ def save_hf(
     """Write a HF directory for our ``state_dict`` (see the module docstring); returns the files written."""
     from safetensors.torch import save_file
 
-    adapter = FAMILIES[args.family].hf
+    adapter = _hf_adapter(args.family)
     config = adapter.to_hf_config(args)  # raises ConfigError when HF cannot express the model
     hf_sd = adapter.to_hf_state_dict(state_dict, args)
     if args.tie_word_embeddings:

@@ -4,7 +4,8 @@
 * :mod:`~llmtrain.plan.memory` — itemised bytes per device under each ZeRO stage, recompute mode and schedule.
 * :mod:`~llmtrain.plan.timing` — step time: FLOPs at a device efficiency plus the communication of each dim.
 * :mod:`~llmtrain.plan.search` — evaluate one layout; enumerate and rank the valid ones.
-* :mod:`~llmtrain.plan.cli` — the command (table or ``--json``, ``--claim`` checks).
+* :mod:`~llmtrain.plan.cli` — plan one run and print it (table or ``--json``, ``--claim`` checks); the flags of
+  ``llmtrain plan`` are in :mod:`llmtrain.commands.plan`.
 """
 
 from llmtrain.plan.catalog import Cluster, Device, load_catalog, parse_cluster

@@ -6,11 +6,13 @@ memory per device (itemised), step time, tokens/s per device, MFU and the days t
 physical bound (100% of peak FLOP/s; 16 bytes of training state per parameter spread over every device).
 Without ``--cluster`` the device comes from ``run.device_target`` (npu -> ascend-910b, cuda -> h100,
 cpu -> cpu) and the count from the parallel degrees.
+
+This module is the plan of one run and its printing (:func:`print_plan`, the table, ``--json``, ``--claim``);
+the command's flags are in :mod:`llmtrain.commands.plan`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -25,25 +27,6 @@ from llmtrain.plan.search import PlanResult, evaluate, layout_from_config, searc
 GIB = 2**30
 CLAIM_KEYS = ("tokens_per_s_per_device", "memory_per_device_gb", "steps_per_s", "days")
 _DEFAULT_DEVICE = {"npu": "ascend-910b", "cuda": "h100", "cpu": "cpu", "auto": "h100"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="run config YAML (native or MindFormers layout)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=4")
-    parser.add_argument(
-        "--cluster", help="NxDEVICE[@NODES], e.g. 32x910b@4 or 8xh100 (default: from the config)"
-    )
-    parser.add_argument(
-        "--catalog", help="extra device catalog YAML (same layout as llmtrain/plan/devices.yaml)"
-    )
-    parser.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
-                        help="activation recompute (default: the config's recompute.mode)")  # fmt: skip
-    parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params, grads, states")
-    parser.add_argument("--search", action="store_true", help="rank the valid layouts of the cluster")
-    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
-    parser.add_argument("--claim", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"check a stated figure; KEY one of {', '.join(CLAIM_KEYS)}")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def resolve_cluster(cfg: Config, spec: str | None, catalog_path: str | None) -> Cluster:
@@ -146,11 +129,25 @@ def plan_dict(result: PlanResult, cluster: Cluster, total_tokens: int, warnings:
     }
 
 
-def main(args: argparse.Namespace) -> int:
-    cfg, _notes = load_config(args.config, args.overrides)
-    cluster = resolve_cluster(cfg, args.cluster, args.catalog)
+def print_plan(
+    config: str,
+    overrides: list[str],
+    cluster_spec: str | None = None,
+    catalog: str | None = None,
+    recompute: str | None = None,
+    offload: bool = False,
+    search_layouts: bool = False,
+    top: int = 5,
+    claims: list[str] | None = None,
+    as_json: bool = False,
+) -> None:
+    """Plan ``config`` (with ``overrides``) on ``cluster_spec`` (None: from the config) and print the table, or
+    one JSON object with ``as_json``; ``search_layouts`` adds the ``top`` ranked layouts, ``claims`` the verdicts
+    on stated figures (``KEY=VALUE``, KEY one of CLAIM_KEYS)."""
+    cfg, _notes = load_config(config, overrides)
+    cluster = resolve_cluster(cfg, cluster_spec, catalog)
     layout, margs, tokens_per_step = layout_from_config(
-        cfg, cluster.num_devices, args.recompute or cfg.recompute.mode, args.offload
+        cfg, cluster.num_devices, recompute or cfg.recompute.mode, offload
     )
     fused = bool(cfg.train.compile)
     result = evaluate(margs, layout, cluster, tokens_per_step, fused)
@@ -161,21 +158,20 @@ def main(args: argparse.Namespace) -> int:
 
         total_tokens = sum(p.steps * p.tokens_per_step for p in resolve_stages(cfg)[1])
     warnings = collect_warnings(cfg, result, cluster)
-    claims = check_claims(args.claim, result, cluster, total_tokens)
+    verdicts = check_claims(claims or [], result, cluster, total_tokens)
     out = plan_dict(result, cluster, total_tokens, warnings)
     out["model"] = {"family": margs.family, "parameters": margs.num_params(), "seq_length": layout.seq_length,
                     "flops_per_token": margs.flops_per_token(layout.seq_length)}  # fmt: skip
-    out["claims"] = claims
+    out["claims"] = verdicts
     ranked: list[PlanResult] = []
-    if args.search:
-        ranked, tried, fitting = search(margs, layout, cluster, tokens_per_step, fused, top=args.top)
+    if search_layouts:
+        ranked, tried, fitting = search(margs, layout, cluster, tokens_per_step, fused, top=top)
         out["search"] = {"tried": tried, "fit": fitting,
                          "top": [{**plan_dict(r, cluster, total_tokens, []), "why": r.why()} for r in ranked]}  # fmt: skip
-    if args.json:
+    if as_json:
         print(json.dumps(out, indent=2))
     else:
         print(render(out, result, ranked))
-    return 0
 
 
 def collect_warnings(cfg: Config, result: PlanResult, cluster: Cluster) -> list[str]:

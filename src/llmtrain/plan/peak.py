@@ -34,7 +34,7 @@ DEVICE_TYPES = ("cpu", "cuda", "npu", "mps", "xpu", "hpu", "meta")
 
 def runtime_device_name(device: torch.device | str) -> str | None:
     """The name the runtime reports for a live ``cuda``/``npu`` device (None when there is none to ask)."""
-    import torch  # noqa: PLC0415 - only here, so the planner imports this module without torch
+    import torch  # only here, so the planner imports this module without torch
 
     device = torch.device(device)
     mod = getattr(torch, device.type, None) if device.type in ("cuda", "npu") else None
@@ -42,7 +42,7 @@ def runtime_device_name(device: torch.device | str) -> str | None:
         return None
     try:
         return str(mod.get_device_name(device.index if device.index is not None else mod.current_device()))
-    except Exception:  # noqa: BLE001 - a backend that cannot name its device falls back like an unknown name
+    except Exception:  # a backend that cannot name its device falls back like an unknown name
         return None
 
 

@@ -8,12 +8,12 @@ the config summary, parameter count, layout, tokens seen, elapsed time and the p
 measured figures. It reads only files, so it works on a run that is still going and on one that crashed
 (``run_data`` skips a torn last line). The file is written atomically (temporary file, then rename).
 
-Modules: ``run_data`` (reading the run, the plan), ``plots`` (SVG figures), ``page`` (HTML).
+Modules: ``run_data`` (reading the run, the plan), ``plots`` (SVG figures), ``page`` (HTML); this one writes
+the file (:func:`build_report`). The command's flags are in :mod:`llmtrain.commands.report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from pathlib import Path
@@ -40,15 +40,3 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, with_plan: 
         Path(tmp).unlink(missing_ok=True)
         raise
     return out_path
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="run directory (run.output_dir of a training run)")
-    parser.add_argument("--out", help="output HTML file (default: RUN_DIR/report.html)")
-    parser.add_argument("--no-plan", action="store_true", help="skip the planner's estimate")
-
-
-def main(args: argparse.Namespace) -> int:
-    path = build_report(args.run_dir, args.out, with_plan=not args.no_plan)
-    print(f"report: {path}")
-    return 0

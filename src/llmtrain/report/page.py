@@ -32,7 +32,8 @@ document.body.dataset.plots=figs.length;document.body.dataset.rendered=n;
 document.body.dataset.ok=(n===figs.length&&n>0)?'1':'0';})();"""
 
 
-def _fmt(value: object, kind: str = "") -> str:
+def _fmt(value: float | str | None, kind: str = "") -> str:
+    """A JSON figure for the page ("-" when missing); ``kind`` bytes / pct / s take a number."""
     if value is None:
         return "-"
     if kind == "bytes":

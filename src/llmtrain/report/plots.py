@@ -38,7 +38,7 @@ def _xy(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _stages(run: RunData, ax) -> None:  # noqa: ANN001
+def _stages(run: RunData, ax) -> None:
     for step, name in run.stage_starts():
         ax.axvline(step, color="0.35", ls=":", lw=1)
         ax.annotate(name, (step, 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
@@ -46,7 +46,7 @@ def _stages(run: RunData, ax) -> None:  # noqa: ANN001
 
 
 def _series(key: str, label: str, log: bool = False) -> Callable:
-    def draw(run: RunData, ax) -> bool:  # noqa: ANN001
+    def draw(run: RunData, ax) -> bool:
         x, y = _xy(run.latest(), key)
         if not x:
             return False
@@ -58,7 +58,7 @@ def _series(key: str, label: str, log: bool = False) -> Callable:
     return draw
 
 
-def _loss(run: RunData, ax) -> bool:  # noqa: ANN001
+def _loss(run: RunData, ax) -> bool:
     x, y = _xy(run.latest(), "loss")
     vx, vy = _xy(run.val, "val_loss")
     if not x and not vx:
@@ -82,7 +82,7 @@ def _loss(run: RunData, ax) -> bool:  # noqa: ANN001
     return True
 
 
-def _memory(run: RunData, ax) -> bool:  # noqa: ANN001
+def _memory(run: RunData, ax) -> bool:
     rows = run.latest()
     per_rank = [
         (int(r["step"]), r["rank_memory_peak_bytes"]) for r in rows if r.get("rank_memory_peak_bytes")
@@ -107,7 +107,7 @@ def _memory(run: RunData, ax) -> bool:  # noqa: ANN001
     return True
 
 
-def _time_split(run: RunData, ax) -> bool:  # noqa: ANN001
+def _time_split(run: RunData, ax) -> bool:
     rows = [r for r in run.latest() if all(isinstance(r.get(k), (int, float)) for k, _ in SPLIT)]
     if not rows:
         return False
@@ -121,7 +121,7 @@ def _time_split(run: RunData, ax) -> bool:  # noqa: ANN001
     return True
 
 
-def _rank_times(run: RunData, ax) -> bool:  # noqa: ANN001
+def _rank_times(run: RunData, ax) -> bool:
     pts = [(int(r["step"]), r["rank_step_time_s"]) for r in run.latest() if r.get("rank_step_time_s")]
     if not pts:
         return False
@@ -135,7 +135,7 @@ def _rank_times(run: RunData, ax) -> bool:  # noqa: ANN001
     return True
 
 
-def _events(run: RunData, ax) -> bool:  # noqa: ANN001
+def _events(run: RunData, ax) -> bool:
     kinds = [k for k in EVENT_KINDS if run.events_of(k)]
     if not kinds:
         return False

@@ -165,7 +165,7 @@ def plan_estimate(run: RunData) -> tuple[dict | None, str]:
             "mfu": result.mfu,
             "memory_bytes": result.memory.total,
         }, ""
-    except Exception as e:  # noqa: BLE001 - the report must render without a plan
+    except Exception as e:  # the report must render without a plan
         return None, f"planner unavailable for this config: {type(e).__name__}: {e}"
 
 

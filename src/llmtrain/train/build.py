@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from llmtrain.data.loader import BatchIterator, build_datasets
 from llmtrain.data.manifest import read_manifest
 from llmtrain.distributed.device import init_distributed, resolve_device
 from llmtrain.distributed.parallelize import parallelize
-from llmtrain.models import build_model
+from llmtrain.models import Transformer, build_model
 from llmtrain.models.common.moe import MoEStepStats
 from llmtrain.train.checkpoint import Checkpointer, ResumeChoice
 from llmtrain.train.curriculum import Curriculum, recompute_superset
@@ -138,9 +138,10 @@ def build_run(cfg: Config) -> RunParts:
 
     # Layout: one mesh per parallel dimension; this rank's data-parallel slice.
     dims = d.dims
+    assert dims is not None  # derive() always sets it
     meshes = dims.build_meshes(device.type) if world_size > 1 else None
     dp_group = meshes["dp"].get_group() if meshes and dims.dp > 1 else None
-    dp_rank = meshes["dp"].get_local_rank() if dp_group is not None else 0
+    dp_rank = meshes["dp"].get_local_rank() if meshes and dp_group is not None else 0
 
     # Model: built on meta, parallelized from outside, materialized on the device, seeded init.
     layout_cfg = recompute_superset(cfg, run.stages)  # stages that switch recompute: every block wrapped once
@@ -150,8 +151,10 @@ def build_run(cfg: Config) -> RunParts:
     if dims.pp > 1:
         from llmtrain.distributed.pipeline import PipelineRunner
 
+        assert meshes is not None  # pp > 1 means more than one process
         pipeline = PipelineRunner(layout_cfg, dims, meshes, model, device, loss)
-        model, fsdp = pipeline.model, pipeline.fsdp
+        # this rank's stage: the Transformer with the other stages' layers pruned away
+        model, fsdp = cast(Transformer, pipeline.model), pipeline.fsdp
     else:
         fsdp = parallelize(model, layout_cfg, dims, meshes["world"] if meshes else None, device.type)
     model.to_empty(device=device)

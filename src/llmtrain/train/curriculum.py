@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import cast
 
 from torch import nn
 
@@ -108,7 +109,7 @@ class Curriculum:
         self.before = {p: int(sd["before"].get(p, 0)) for p in self.paths}
 
 
-def _plain(module: nn.Module, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+def _plain(module: nn.Module, *args, **kwargs):
     return module(*args, **kwargs)
 
 
@@ -128,7 +129,7 @@ def recompute_superset(cfg: Config, stages: tuple[list[str], list[StagePlan]] | 
 
 def set_recompute(model: nn.Module, mode: str, every: int) -> None:
     """Turn the checkpoint wrapper of each block on (per ``mode``: none, selective 1-in-``every``, full) or off."""
-    for i, block in enumerate(model.layers.values()):
+    for i, block in enumerate(cast(nn.ModuleDict, model.layers).values()):
         block = getattr(block, "_orig_mod", block)  # under torch.compile
         if not hasattr(block, "checkpoint_fn"):
             continue

@@ -19,7 +19,8 @@ OPTIMIZERS = ("adamw",)
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: matrices (decayed) and everything else (not decayed). Order follows named_parameters()."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -17,10 +17,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from llmtrain.config.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -100,7 +104,8 @@ class LossScaler:
 
 def _mesh_key(t: torch.Tensor) -> object:
     mesh = getattr(t, "device_mesh", None)
-    return None if mesh is None else (id(mesh), tuple(str(p) for p in t.placements))
+    # a tensor with a device_mesh is a DTensor
+    return None if mesh is None else (id(mesh), tuple(str(p) for p in cast("DTensor", t).placements))
 
 
 @torch.no_grad()

@@ -1,27 +1,19 @@
-"""``llmtrain generate RUN_DIR --prompt TEXT``: sample from the newest checkpoint of a run (KV-cached decoding).
+"""Sampling from a run: the newest checkpoint's model and tokenizer, and a prompt continued with them.
 
-RUN_DIR is a run directory (holding config.yaml and checkpoints/) or one checkpoint directory inside it. The
-tokenizer is the copy stored next to the run's first dataset.
+:func:`load_for_generation` takes a run directory (holding config.yaml and checkpoints/) or one checkpoint
+directory inside it; the tokenizer is the copy stored next to the run's first dataset (``llmtrain generate``,
+``demo`` and ``export`` load models this way). :func:`sample_from_run` is ``llmtrain generate``: the prompt
+continued by :func:`llmtrain.generate.generate` (KV-cached decoding); the flags are in
+:mod:`llmtrain.commands.generate`.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
 from llmtrain.errors import CheckpointError
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="run directory, or a checkpoint directory inside it")
-    parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=50)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def load_for_generation(run_dir: str | Path):
@@ -60,21 +52,30 @@ def load_for_generation(run_dir: str | Path):
     return model, tok, ckpt
 
 
-def main(args: argparse.Namespace) -> int:
+def sample_from_run(
+    run_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int,
+) -> str:
+    """``prompt`` and its continuation sampled from the newest checkpoint of ``run_dir`` (``seed`` fixes the
+    draws; ``temperature`` 0 is greedy)."""
     from llmtrain.generate import generate
 
-    model, tok, ckpt = load_for_generation(args.run_dir)
-    gen = torch.Generator().manual_seed(args.seed)
-    ids = tok.encode(args.prompt)
+    model, tok, _ = load_for_generation(run_dir)
+    gen = torch.Generator().manual_seed(seed)
+    ids = tok.encode(prompt)
     out = generate(
         model,
         ids,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         eos_id=tok.eos_id,
         generator=gen,
     )
-    print(args.prompt + tok.decode(out))
-    return 0
+    return prompt + tok.decode(out)

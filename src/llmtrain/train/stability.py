@@ -35,9 +35,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from llmtrain.config.schema import StabilityConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 OK, SKIP, ROLLBACK, GIVE_UP = "ok", "skip", "rollback", "give_up"
 RULES = ("mad", "sigma", "ratio")
@@ -268,13 +271,14 @@ def _copy_to_host(obj: Any) -> Any:
 
     if isinstance(obj, torch.Tensor):
         if hasattr(obj, "to_local"):  # DTensor: this rank's shard plus what rebuilds it
+            dt = cast("DTensor", obj)
             return (
                 "dtensor",
-                obj.to_local().detach().to("cpu", copy=True),
-                obj.device_mesh,
-                obj.placements,
-                obj.shape,
-                obj.stride(),
+                dt.to_local().detach().to("cpu", copy=True),
+                dt.device_mesh,
+                dt.placements,
+                dt.shape,
+                dt.stride(),
             )
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):

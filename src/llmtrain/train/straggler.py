@@ -55,7 +55,7 @@ class StragglerMonitor:
             self.hosts = [str(h) for h in gathered]
         self.streak = [0] * world_size
 
-    def gather(self, step: int, busy_s: float, mem_current: int, mem_peak: int) -> RankFigures:
+    def gather(self, step: int, busy_s: float, mem_current: float, mem_peak: float) -> RankFigures:
         """Collective on every rank at the same log step; returns the same figures everywhere."""
         mine = torch.tensor([busy_s, float(mem_current), float(mem_peak)], dtype=torch.float64)
         if self.distributed:

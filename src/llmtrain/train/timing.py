@@ -166,7 +166,7 @@ def memory_stats(device_type: str) -> dict[str, float]:
         current, peak = int(mod.memory_allocated()), int(mod.max_memory_allocated())
         try:
             capacity = int(mod.mem_get_info()[1])
-        except Exception:  # noqa: BLE001 - some backends do not report a capacity
+        except Exception:  # some backends do not report a capacity
             capacity = 0
     else:
         page = os.sysconf("SC_PAGE_SIZE")

@@ -110,9 +110,11 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         self.model.train()
+        dims = self.derived.dims
+        assert dims is not None  # derive() always sets it
         self.events.write(
             "run_start", step=self.step, max_steps=self.max_steps, world_size=self.world_size,
-            num_params=self.derived.num_params, layout=self.derived.dims.mesh_shape(),
+            num_params=self.derived.num_params, layout=dims.mesh_shape(),
             hosts=self.stragglers.hosts, device=self.device.type,
             device_name=runtime_device_name(self.device) or self.device.type,
         )  # fmt: skip
@@ -209,6 +211,7 @@ class Trainer:
 
     def enter_stage(self, plan: StagePlan, announce: bool = True) -> None:
         """Make ``plan``'s settings current: its config, batch arithmetic, batches, guard and recompute."""
+        assert self.curriculum is not None  # a staged run has a curriculum
         self.stage_cfg = plan.cfg
         self.stage_name = plan.name
         self.derived = derive(plan.cfg, self.world_size, vocab_size=self.derived.model_args.vocab_size)
@@ -223,6 +226,7 @@ class Trainer:
 
     def announce_stage(self, plan: StagePlan) -> None:
         c = self.curriculum
+        assert c is not None  # a staged run has a curriculum
         self.events.write(
             "stage_start", stage=plan.name, step=self.step, end_step=plan.end_step, lr_end=plan.lr_end,
             mixture={p: w for p, w in zip(c.paths, plan.weights) if w > 0},
@@ -238,7 +242,7 @@ class Trainer:
             loss_end=losses[-1], time_s=round(time.time() - self._stage_t0, 3),
         )  # fmt: skip
 
-    def _rollback(self, decision) -> None:  # noqa: ANN001
+    def _rollback(self, decision) -> None:
         """Go back to the newest good state before the spike and skip the data window that caused it."""
         self.wait_checkpoint()
         available = [step_of(p) for p in self.checkpointer.committed()]

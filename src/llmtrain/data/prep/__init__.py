@@ -14,8 +14,10 @@
 * ``pack``       concat and best-fit-decreasing packing with truncation / padding statistics;
 * ``shards``     resumable intermediate parts, and the final shards + manifest + report;
 * ``tokenizer_training``  deterministic byte-level BPE training (``--train-tokenizer``);
-* ``prepare``    the ``llmtrain prepare`` command tying the above together, atomically and resumably;
-* ``merge``      ``llmtrain merge``: join ``--partition`` outputs with cross-partition dedup.
+* ``prepare``    ``llmtrain prepare``'s algorithm, tying the above together, atomically and resumably;
+* ``merge``      ``llmtrain merge``'s algorithm: join ``--partition`` outputs with cross-partition dedup.
+
+The two commands' flags are in :mod:`llmtrain.commands.prepare` and :mod:`llmtrain.commands.merge`.
 
 The output format and its readers (``indexed``, ``manifest``, ``tokenizer``, ``samples``, ``loader``) are the
 runtime half, in :mod:`llmtrain.data`; modules here import them, never the other way round. Nothing is

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from typing import Literal, cast
 
 NORMALIZATION_FORMS = ("NFC", "NFKC", "NFD", "NFKD", "none")
+_UnicodeForm = Literal["NFC", "NFD", "NFKC", "NFKD"]
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\u200c\u200e\u200f\u2028\u2029\ufeff]")
 _TRAILING = re.compile(r"[ \t\u3000]+(?=\n|\Z)")
 _BLANK_RUNS = re.compile(r"\n{4,}")
@@ -51,7 +53,8 @@ def clean_text(text: str, normalization: str = "NFC", mojibake: bool = False) ->
     if mojibake:
         text = repair_mojibake(text)
     if normalization != "none":
-        text = unicodedata.normalize(normalization, text)
+        # the option is checked against NORMALIZATION_FORMS where it is read
+        text = unicodedata.normalize(cast(_UnicodeForm, normalization), text)
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     text = _CONTROL.sub("", text)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -267,12 +268,14 @@ class DedupIndex:
                 out.append("exact_duplicate")
                 continue
             if keys_all is not None:
+                assert sigs is not None  # near dedup passes the signatures with the bands
                 keys = keys_all[j]
                 got = list(map(get, keys))
                 candidates = set(got)
                 candidates.discard(None)
                 if any(
-                    float(np.mean(self._sigs[c] == sigs[j])) >= self.cfg.threshold for c in sorted(candidates)
+                    float(np.mean(self._sigs[c] == sigs[j])) >= self.cfg.threshold
+                    for c in sorted(cast("set[int]", candidates))  # None is discarded just above
                 ):
                     out.append("near_duplicate")
                     continue
@@ -280,6 +283,7 @@ class DedupIndex:
             if dig is not None:
                 self._exact.add(dig[j])
             if keys_all is not None:
+                assert sigs is not None
                 if self.size == len(self._sigs):
                     self._sigs = np.concatenate([self._sigs, np.zeros_like(self._sigs)])
                 self._sigs[self.size] = sigs[j]
@@ -294,6 +298,7 @@ class DedupIndex:
         if digest is not None and self.cfg.exact:
             self._exact.add(int(digest))
         if bands is not None and self.cfg.near:
+            assert sig is not None  # the signature always comes with its bands
             if self.size == len(self._sigs):
                 self._sigs = np.concatenate([self._sigs, np.zeros_like(self._sigs)])
             self._sigs[self.size] = sig

@@ -102,7 +102,7 @@ def _ngram_stats(ids: np.ndarray, cfg: FilterConfig) -> dict[int, tuple[np.ndarr
     twice too, so each n is evaluated at the positions whose previous-n prefix repeated (all positions for the
     smallest n). Counts > 1 are exact (every occurrence of a repeated n-gram is among the positions); the n-grams
     left out all occur once, which no rule counts."""
-    stats = {}
+    stats: dict[int, tuple[np.ndarray, ...]] = {}
     empty = np.zeros(0, dtype=np.int64)
     positions, h, done = np.arange(len(ids)), ids, 1  # [K] candidates, [K] hash of their done-gram
     for n in sorted({*cfg.max_top_ngram_chars, *cfg.max_dup_ngram_chars}):

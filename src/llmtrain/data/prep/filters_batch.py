@@ -169,8 +169,8 @@ def _repetition_many(
     order_names = [f"top_ngram_{n}" for n in sorted(top)] + [f"dup_ngram_{n}" for n in sorted(dup)]
     reasons: list[str | None] = [None] * n_seg
     for name in reversed(order_names):  # the first failing rule wins: write the last ones first
-        for g in np.flatnonzero(fails[name]).tolist():
-            reasons[g] = name
+        for doc in np.flatnonzero(fails[name]).tolist():
+            reasons[doc] = name
     return reasons
 
 

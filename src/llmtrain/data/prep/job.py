@@ -28,8 +28,10 @@ from llmtrain.errors import DataError
 class Partition(NamedTuple):
     """``--partition I/N``: this run keeps every N-th non-blank input record, starting at record I."""
 
-    index: int
-    count: int
+    # the names shadow tuple.index() / tuple.count(), which mypy refuses in a NamedTuple; they are the
+    # CLI's I/N and are read by name (job.partition.index), so they stay
+    index: int  # type: ignore[assignment]
+    count: int  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)

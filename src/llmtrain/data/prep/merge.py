@@ -15,11 +15,12 @@ The result satisfies the same guarantee as a single-process run (no two kept doc
 index's rule); which copy of a duplicate pair survives follows the partition order instead of the input order.
 Packing and sharding happen here, once, over the merged stream. All partitions must be finished (``done.json``)
 and share one tokenizer and one prepare configuration.
+
+This module is the merge (:func:`merge`); the command's flags are in :mod:`llmtrain.commands.merge`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -30,21 +31,6 @@ from llmtrain.data.prep.dedup import DedupIndex
 from llmtrain.data.prep.pipeline import options_from
 from llmtrain.data.prep.shards import iter_part_batches, write_dataset
 from llmtrain.errors import DataError
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of the ``merge`` subcommand."""
-    parser.add_argument("--output", required=True, metavar="PREFIX", help="the --output given to prepare")
-    parser.add_argument("--num-shards", type=int, help="shards to write (default: prepare's)")
-    parser.add_argument("--pack", choices=["concat", "bestfit"], help="packing (default: prepare's)")
-    parser.add_argument("--seq-length", type=int, help="sample length for packing (default: prepare's)")
-    parser.add_argument("--keep-partitions", action="store_true", help="keep PREFIX.partitions/ afterwards")
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``merge`` from parsed flags; returns the exit code."""
-    merge(args.output, args.num_shards, args.pack, args.seq_length, keep_partitions=args.keep_partitions)
-    return 0
 
 
 def find_partitions(output: str) -> list[Path]:
@@ -144,7 +130,7 @@ def _merged_report(reports: list[dict], cross: dict) -> dict:
             acc["out"] += row["out"]
             for k, v in row["removed"].items():
                 acc["removed"][k] = acc["removed"].get(k, 0) + v
-    report = {"stages": stages, "partitions": len(reports), "cross_partition": cross}
+    report: dict = {"stages": stages, "partitions": len(reports), "cross_partition": cross}
     report["errors_skipped"] = {}
     for r in reports:
         for k, v in r.get("errors_skipped", {}).items():

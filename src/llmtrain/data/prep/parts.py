@@ -81,7 +81,7 @@ def _worker_init(tokenizer: str | None, eos_token: str | None) -> None:
     if tokenizer is not None:
         try:
             cached_tokenizer(tokenizer, eos_token)
-        except Exception:  # noqa: BLE001 (the main process raises the clear error)
+        except Exception:  # the main process raises the clear error
             pass
 
 
@@ -115,7 +115,7 @@ def _results(
     pending: deque = deque()
     for chunk in chunks:
         pending.append((chunk, pool.apply_async(task, ([r[0] for r in chunk],))))
-        if len(pending) >= 2 * pool._processes:
+        if len(pending) >= 2 * job.workers:  # the pool's size (start_pool)
             c, r = pending.popleft()
             yield c, r.get()
     while pending:

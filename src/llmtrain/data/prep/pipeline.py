@@ -204,6 +204,7 @@ def process_chunk(
     if digests is not None:
         digests[kept] = [exact_digest(t) for t in kept_texts]
     if bands is not None:
+        assert sigs is not None  # made together with bands
         bands[kept], sigs[kept] = mh.signatures(kept_texts, cjk)  # one batched MinHash over the chunk
     dtype = optimal_dtype(tok.vocab_size)
     try:  # converting to the shard dtype is also the range check (numpy refuses out-of-range ints)

@@ -26,15 +26,14 @@ removes the work folder and leaves any previous dataset at PREFIX untouched; ``-
 ``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions in
 order, removing duplicates across partitions (phase 2 of the two-phase dedup), and packs and shards them.
 
-This module is the command: its flags, the :class:`~llmtrain.data.prep.job.PrepareJob` they make, the resume
-check against an existing output, and the final write. The job and its counters are in ``job``, the document
-loop (chunks, worker pool, dedup decisions, part writing) in ``parts``, tokenizer training in
-``tokenizer_training``.
+This module is the command's algorithm: :func:`prepare` (the :class:`~llmtrain.data.prep.job.PrepareJob` it
+makes, the resume check against an existing output, and the final write); the flags are in
+:mod:`llmtrain.commands.prepare`. The job and its counters are in ``job``, the document loop (chunks, worker
+pool, dedup decisions, part writing) in ``parts``, tokenizer training in ``tokenizer_training``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -43,8 +42,6 @@ import time
 from collections.abc import Callable
 from multiprocessing.pool import Pool
 from pathlib import Path
-
-import yaml
 
 from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.manifest import manifest_path, read_manifest, tokenizer_copy_name, write_json_atomic
@@ -56,89 +53,7 @@ from llmtrain.data.prep.shards import iter_part_batches, write_dataset
 from llmtrain.data.prep.tokenizer_training import TRAINED_EOS, train_on_documents
 from llmtrain.data.samples import digest
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
-from llmtrain.errors import ConfigError, DataError
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of the ``prepare`` subcommand (flags override the ``data.prepare`` section of ``--config``)."""
-    a = parser.add_argument
-    a(
-        "--input",
-        nargs="+",
-        required=True,
-        metavar="PATH",
-        help="jsonl/txt/parquet files (.gz/.zst), globs, dirs",
-    )
-    a("--output", required=True, metavar="PREFIX", help="writes PREFIX[_NNNNN].bin/.idx, manifest, report")
-    a("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) or .model (SentencePiece)")
-    a(
-        "--train-tokenizer",
-        type=int,
-        metavar="VOCAB_SIZE",
-        help="train a byte-level BPE on the inputs instead",
-    )
-    a("--config", metavar="YAML", help="run config whose data.prepare section sets the stages")
-    a("--text-key", default="text", help="JSON field / parquet column holding the text (default: text)")
-    a("--workers", type=int, default=1, help="worker processes (default: 1)")
-    a("--eos-token", help="token appended after each document (default: the tokenizer's EOS)")
-    a("--max-documents", type=int, help="stop after this many input documents")
-    a("--clean", action="store_true", default=None, help="normalize Unicode, control chars, whitespace")
-    a("--mojibake", action="store_true", default=None, help="also repair UTF-8 decoded as cp1252")
-    a("--filter", action="store_true", default=None, help="Gopher quality/repetition filters")
-    a("--dedup", choices=["none", "exact", "near"], help="deduplication (default: none)")
-    a("--pack", choices=["concat", "bestfit"], help="packing (default: concat)")
-    a("--seq-length", type=int, help="sample length to pack for (default: 2048)")
-    a("--num-shards", type=int, help="number of .bin/.idx shards (default: 1)")
-    a("--on-error", choices=["raise", "skip"], help="malformed input: stop with an error, or skip and count")
-    a("--rejects", metavar="FILE", help="write rejected documents with reasons to this jsonl file")
-    a(
-        "--partition",
-        metavar="I/N",
-        help="process partition I of N (0-based); join them with `llmtrain merge`",
-    )
-    a("--overwrite", action="store_true", help="replace an existing dataset made with another tokenizer")
-
-
-FLAG_OPTIONS = ("text_key", "clean", "mojibake", "filter", "dedup", "pack", "seq_length", "num_shards",
-                "on_error", "rejects")  # fmt: skip
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``prepare`` from parsed flags; returns the exit code."""
-    section: dict = {}
-    if args.config:
-        with open(args.config, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-        section = dict((raw.get("data") or {}).get("prepare") or {})
-    for name in FLAG_OPTIONS:
-        if name == "text_key" and args.text_key == "text" and "text_key" in section:
-            continue  # the flag's default does not override the config
-        if getattr(args, name, None) is not None:
-            section[name] = getattr(args, name)
-    prepare(
-        inputs=args.input,
-        output=args.output,
-        tokenizer=args.tokenizer,
-        train_tokenizer=args.train_tokenizer,
-        workers=args.workers,
-        eos_token=args.eos_token,
-        max_documents=args.max_documents,
-        options=options_from(section),
-        partition=parse_partition(args.partition) if args.partition else None,
-        overwrite=args.overwrite,
-    )
-    return 0
-
-
-def parse_partition(text: str) -> Partition:
-    """``"I/N"`` -> Partition(I, N); ConfigError unless 0 <= I < N."""
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        i, n = -1, 0
-    if not 0 <= i < n:
-        raise ConfigError(f"--partition {text!r}: expected I/N with 0 <= I < N, for example 0/4.")
-    return Partition(i, n)
+from llmtrain.errors import DataError
 
 
 def prepare(
@@ -269,6 +184,7 @@ def _tok_entry(tok: Tokenizer, output: str) -> dict:
 def _tokenizer(job: PrepareJob, files: list[Path], workdir: Path) -> Tokenizer:
     """The tokenizer trained on the inputs (``--train-tokenizer``), kept in ``workdir`` for a resumed run."""
     trained = workdir / "trained.tokenizer.json"
+    assert job.train_tokenizer is not None  # a job without a tokenizer file trains one (PrepareJob checks)
     if not trained.is_file():
         job.say(
             f"prepare: training a byte-level BPE tokenizer of {job.train_tokenizer} entries on the inputs"

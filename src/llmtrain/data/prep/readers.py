@@ -31,8 +31,12 @@ import json
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmtrain.errors import DataError
+
+if TYPE_CHECKING:
+    from zstandard import ZstdDecompressionObj
 
 DIRECTORY_PATTERNS = tuple(
     f"*.{kind}{comp}" for kind in ("jsonl", "txt", "parquet") for comp in ("", ".gz", ".zst")
@@ -82,7 +86,7 @@ def _open_binary(path: Path):
         return gzip.open(path, "rb")
     if path.name.endswith(".zst"):
         return io.BufferedReader(_ZstdReader(path, _import_zstandard(path)), buffer_size=ZSTD_READ)
-    return open(path, "rb")  # noqa: SIM115
+    return open(path, "rb")
 
 
 def _import_zstandard(path: Path):
@@ -106,9 +110,10 @@ class _ZstdReader(io.RawIOBase):
     """
 
     def __init__(self, path: Path, zstandard):
-        self._file = open(path, "rb")  # noqa: SIM115 (closed in close())
+        self._file = open(path, "rb")  # closed in close()
         self._dctx = zstandard.ZstdDecompressor()
-        self._frame = None  # decompressor of the current frame; None between frames
+        # decompressor of the current frame; None between frames
+        self._frame: ZstdDecompressionObj | None = None
         self._in = memoryview(b"")  # compressed bytes read but not yet fed
         self._out = memoryview(b"")  # decompressed bytes not yet returned
 
@@ -130,7 +135,7 @@ class _ZstdReader(io.RawIOBase):
         self._out = self._out[n:]
         return n
 
-    def _decompress(self, data: memoryview) -> bytes:
+    def _decompress(self, data: memoryview | bytes) -> bytes:
         parts = []
         while data:
             if self._frame is None:
@@ -211,7 +216,7 @@ def read_jsonl(
     line_no = 0
     try:
         with _open_binary(path) as f:
-            for line_no, raw in enumerate(f, start=1):  # noqa: B007 (line_no is used after the loop)
+            for line_no, raw in enumerate(f, start=1):  # line_no is used after the loop
                 if not raw.strip() or (keep is not None and not keep()):
                     continue
                 try:

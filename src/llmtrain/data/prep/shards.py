@@ -33,7 +33,7 @@ from llmtrain import __version__
 from llmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
 from llmtrain.data.manifest import FORMAT, VERSION, manifest_path, read_manifest, write_json_atomic
 from llmtrain.data.prep.dedup import DedupIndex
-from llmtrain.data.prep.pack import make_packer
+from llmtrain.data.prep.pack import ConcatPacker, make_packer
 from llmtrain.data.tokenizer import sha256_file
 
 
@@ -57,7 +57,7 @@ class PartWriter:
         self.digests: list[np.ndarray] = []  # blocks of [K] uint64
         self.bands: list[np.ndarray] = []  # blocks of [K, B] uint64
         self.sigs: list[np.ndarray] = []  # blocks of [K, P] uint16
-        self.rejects = open(f"{self.tmp}.rejects.jsonl", "w", encoding="utf-8") if with_rejects else None  # noqa: SIM115
+        self.rejects = open(f"{self.tmp}.rejects.jsonl", "w", encoding="utf-8") if with_rejects else None
 
     def add_many(self, tokens: np.ndarray, lengths: np.ndarray, digests, bands, sigs) -> None:
         """Documents back to back (``tokens`` in the part dtype, EOS included) and their dedup rows [K, ...]."""
@@ -77,11 +77,12 @@ class PartWriter:
         self.writer.finalize()
         if self.rejects is not None:
             self.rejects.close()
-        arrays = {"digests": np.concatenate(self.digests) if self.digests else np.zeros(0, np.uint64)}
-        if self.bands:
-            arrays["bands"], arrays["sigs"] = np.concatenate(self.bands), np.concatenate(self.sigs)
+        digests = np.concatenate(self.digests) if self.digests else np.zeros(0, np.uint64)
         with open(f"{self.tmp}.dedup.npz", "wb") as f:
-            np.savez(f, **arrays)
+            if self.bands:
+                np.savez(f, digests=digests, bands=np.concatenate(self.bands), sigs=np.concatenate(self.sigs))
+            else:
+                np.savez(f, digests=digests)
         for suffix in (".bin", ".idx", ".dedup.npz") + ((".rejects.jsonl",) if self.rejects else ()):
             os.replace(f"{self.tmp}{suffix}", f"{self.final}{suffix}")
         write_json_atomic(Path(f"{self.final}.json"), counters)
@@ -192,6 +193,7 @@ def write_dataset(
                 continue
             tokens = tokens.astype(dtype, copy=False)
             if pack == "concat":  # one sequence per document, dealt round-robin: whole batches at once
+                assert isinstance(packer, ConcatPacker)
                 packer.add_lengths(lengths)
                 _deal(writers, n, tokens, lengths)
                 n += len(lengths)

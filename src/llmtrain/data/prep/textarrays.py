@@ -106,7 +106,7 @@ def encode(texts: list[str], errors: str = "surrogatepass") -> tuple[np.ndarray,
 
 def prefix(values: np.ndarray, dtype: type = np.int64) -> np.ndarray:
     """[L + 1] exclusive prefix sums of ``values`` [L] (uint64 sums wrap, which hashing wants)."""
-    out = np.zeros(len(values) + 1, dtype=dtype)
+    out: np.ndarray = np.zeros(len(values) + 1, dtype=dtype)
     np.cumsum(values, dtype=dtype, out=out[1:])  # dtype too: without it the cast is a slow buffered loop
     return out
 

@@ -70,6 +70,8 @@ class GroupedExperts(nn.Module):
 class Router(nn.Module):
     """Linear scores over experts and the top-k choice (with the aux-loss-free selection bias)."""
 
+    expert_bias: torch.Tensor  # [E] buffer, registered in __init__
+
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.top_k
@@ -112,12 +114,12 @@ class _AttachAux(torch.autograd.Function):
     """Identity on ``y``; in backward also feeds ``scale`` as the gradient of the scalar ``aux``."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, grad: torch.Tensor):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
@@ -182,7 +184,11 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
 def last_moe_stats(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over blocks of the last forward's aux loss, coef not applied; counts [num_moe_layers, E])."""
     layers = moe_layers(model)
-    counts = torch.stack([m.last_counts for m in layers]).float()
+    last_counts = []
+    for m in layers:
+        assert m.last_counts is not None, "last_moe_stats() is read after a forward"
+        last_counts.append(m.last_counts)
+    counts = torch.stack(last_counts).float()
     aux = sum((m.last_aux for m in layers if m.last_aux is not None), counts.new_zeros(()))
     return aux.float(), counts
 
@@ -221,9 +227,10 @@ class MoEStepStats:
         self.aux_sum = aux if self.aux_sum is None else self.aux_sum + aux
         self.counts = counts if self.counts is None else self.counts + counts
 
-    def finish(self, model: nn.Module, dp_sum, n_tokens: int, update_bias: bool = True) -> dict:  # noqa: ANN001
+    def finish(self, model: nn.Module, dp_sum, n_tokens: int, update_bias: bool = True) -> dict:
         if self.counts is None:
             return {}
+        assert self.aux_sum is not None  # end() sets both
         aux = float(dp_sum(self.aux_sum.reshape(1).clone()).item()) / max(n_tokens, 1)
         counts = dp_sum(self.counts.clone())  # [layers, E], the same on every data-parallel rank
         if update_bias and self.rate > 0:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import cast
 
 import torch
 from torch import nn
@@ -166,8 +167,8 @@ class Transformer(nn.Module):
                 _normal_(param, residual_std if residual else std, gen)
         if self.rope is not None:
             self.rope.reset_buffers(device)
-        for layer in self.layers.values():
-            layer.attention.reset_buffers(device)
+        for layer in self.layers.values():  # a wrapped block (compile, checkpoint) forwards .attention
+            cast(Attention, layer.attention).reset_buffers(device)
         for module in self.modules():  # MoE routers' aux-loss-free bias starts at zero
             if isinstance(module, MoE):
                 module.router.init_buffers()

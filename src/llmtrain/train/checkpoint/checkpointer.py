@@ -116,8 +116,9 @@ class Checkpointer:
             box = [choice]
             dist.broadcast_object_list(box, src=0)
             choice = box[0]
-            if choice.path is not None:
-                self.store.mark_verified(choice.path)
+        assert choice is not None  # rank 0's choice; the other ranks receive it above
+        if is_dist() and choice.path is not None:
+            self.store.mark_verified(choice.path)
         self.resume_notes = choice.messages()
         return choice
 

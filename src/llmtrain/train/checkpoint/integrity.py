@@ -48,7 +48,7 @@ class _HashingStream(io.RawIOBase):
 
     def __init__(self, path: Path):
         super().__init__()
-        self._f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
+        self._f = open(path, "wb", buffering=0)  # closed in close()
         self.sha = hashlib.sha256()
         self.nbytes = 0
         self.linear = True
@@ -102,7 +102,7 @@ class _HashingFileSystem(FileSystem):
         self._lock = threading.Lock()
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str):  # noqa: ANN201
+    def create_stream(self, path: str | os.PathLike, mode: str):
         path = Path(path)
         if "w" not in mode or not layout.is_data_file(path.name):
             with super().create_stream(path, mode) as stream:
@@ -121,11 +121,13 @@ class ChecksummingWriter(FileSystemWriter):
     After this rank's files are written (and fsynced) it leaves their digests in ``__{r}_sha256.json`` next to
     them, before DCP gathers the write results, so rank 0 finds every rank's sidecar when it commits."""
 
+    fs: _HashingFileSystem
+
     def __init__(self, path: str | os.PathLike, **kwargs: Any):
         super().__init__(path, **kwargs)
         self.fs = _HashingFileSystem()
 
-    def write_data(self, plan: Any, planner: Any) -> Any:  # noqa: ANN401
+    def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
         future.wait()  # the file system writer is synchronous; surface its errors here
         layout.write_json(layout.sidecar_file(self.path, plan.storage_data.prefix), dict(self.fs.digests))

@@ -25,7 +25,9 @@ def _unb64(s: str) -> torch.Tensor:
 def rng_state(device_type: str) -> dict:
     """RNG states of this process as JSON-safe values."""
     py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state = np.random.get_state()  # the legacy tuple: the global RandomState is always MT19937
+    assert isinstance(np_state, tuple)
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     state = {
         "python": [py_version, list(py_state), py_gauss],
         "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],

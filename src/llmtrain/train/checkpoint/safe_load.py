@@ -54,7 +54,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose metadata is unpickled with an allow-list."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any):  # noqa: ANN201
+    def read_metadata(self, *args: Any, **kwargs: Any):
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:
@@ -70,10 +70,10 @@ class SafeFileSystemReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``."""
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: ANN001
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+            from torch.distributed.checkpoint._nested_dict import set_element
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,7 @@ class CheckpointStore:
             if self._group is None:
                 self._group = dist.new_group(backend="gloo")
             future = dcp.async_save(state, storage_writer=self._writer(tmp), process_group=self._group)
+            assert isinstance(future, Future)  # an AsyncSaveResponse only comes with an async_stager
 
             def write() -> None:
                 future.result()
@@ -162,7 +164,7 @@ class CheckpointStore:
                 write()
                 if rank() == 0:
                     self._commit(step, tmp, final, trainer_state)
-            except BaseException as e:  # noqa: BLE001 - re-raised in wait()
+            except BaseException as e:  # re-raised in wait()
                 pending.error = e
 
         pending.thread = threading.Thread(target=run, name=f"ckpt-save-{step}", daemon=True)

@@ -1,0 +1,36 @@
+"""``llmtrain generate RUN_DIR --prompt TEXT``: sample from the newest checkpoint of a run (KV-cached decoding).
+
+RUN_DIR is a run directory (holding config.yaml and checkpoints/) or one checkpoint directory inside it; the
+model and tokenizer are loaded by :mod:`llmtrain.train.sample`, the tokens drawn by :mod:`llmtrain.generate`.
+Prints the prompt followed by its continuation.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run directory, or a checkpoint directory inside it")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> int:
+    from llmtrain.train.sample import sample_from_run
+
+    text = sample_from_run(
+        args.run_dir,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    print(text)
+    return 0

@@ -1,0 +1,48 @@
+"""``llmtrain launch CONFIG --nproc-per-node N [...] [overrides]``: torchrun's elastic agent around ``train``.
+
+Single node: ``--standalone``; several nodes: a c10d rendezvous at ``--master-addr:--master-port`` with
+``--nnodes MIN:MAX`` (elastic). The flags become a :class:`llmtrain.launch.LaunchSpec`;
+:func:`llmtrain.launch.launch` prints the torchrun line, runs it and forwards its exit code (see that module).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, passed on to `llmtrain train`")
+    parser.add_argument("--nproc-per-node", type=int, required=True, help="processes (devices) per node")
+    parser.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic job (default 1)")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (static multi-node)")
+    parser.add_argument("--master-addr", default=None, help="rendezvous host (multi-node)")
+    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port (default 29500)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="elastic restarts before giving up")
+    parser.add_argument(
+        "--run-id", default=None, help="rendezvous id (default: derived from the config path)"
+    )
+    parser.add_argument(
+        "--rdzv-conf",
+        default=None,
+        help="torchrun rendezvous settings for elastic jobs, e.g. join_timeout=60,last_call_timeout=5",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run it")
+
+
+def main(args: argparse.Namespace) -> int:
+    from llmtrain.launch import LaunchSpec, launch
+
+    spec = LaunchSpec(
+        config=args.config,
+        overrides=list(args.overrides),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        run_id=args.run_id,
+        rdzv_conf=args.rdzv_conf,
+    )
+    return launch(spec, dry_run=args.dry_run)

@@ -1,0 +1,49 @@
+"""``llmtrain plan CONFIG [overrides] [--cluster NxDEVICE[@NODES]] [--search] [--json]``.
+
+Estimates memory per device, step time, tokens/s, MFU and the days the configured tokens take, for the layout
+the config describes on the cluster; ``--search`` ranks the alternatives, ``--claim`` checks stated figures.
+:func:`llmtrain.plan.cli.print_plan` plans and prints (see that module and :mod:`llmtrain.plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from llmtrain.plan.cli import CLAIM_KEYS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (native or MindFormers layout)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_parallel=4")
+    parser.add_argument(
+        "--cluster", help="NxDEVICE[@NODES], e.g. 32x910b@4 or 8xh100 (default: from the config)"
+    )
+    parser.add_argument(
+        "--catalog", help="extra device catalog YAML (same layout as llmtrain/plan/devices.yaml)"
+    )
+    parser.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
+                        help="activation recompute (default: the config's recompute.mode)")  # fmt: skip
+    parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params, grads, states")
+    parser.add_argument("--search", action="store_true", help="rank the valid layouts of the cluster")
+    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
+    parser.add_argument("--claim", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"check a stated figure; KEY one of {', '.join(CLAIM_KEYS)}")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    from llmtrain.plan.cli import print_plan
+
+    print_plan(
+        args.config,
+        args.overrides,
+        cluster_spec=args.cluster,
+        catalog=args.catalog,
+        recompute=args.recompute,
+        offload=args.offload,
+        search_layouts=args.search,
+        top=args.top,
+        claims=args.claim,
+        as_json=args.json,
+    )
+    return 0
