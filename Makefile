@@ -49,6 +49,7 @@ test: $(VENV)/.installed-dev browser
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/mypy --config-file pyproject.toml
 
 format: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check --fix src tests bench
@@ -58,4 +59,4 @@ bench: $(VENV)/.installed-dev
 	$(PY) bench/train_throughput.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache build src/*.egg-info

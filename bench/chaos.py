@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from llmtrain.config import config_from_dict, derive
+from llmtrain.config import config_from_dict
 from llmtrain.models import build_model
+from llmtrain.resolve import derive
 from llmtrain.train.checkpoint import load_model_weights, step_dir
 
 KINDS = ("kill", "hang", "crash_in_save", "corrupt_checkpoint", "nan", "spike")

@@ -15,14 +15,13 @@ from llmtrain.config import (
     apply_overrides,
     config_from_dict,
     config_to_dict,
-    derive,
     load_config,
     save_config,
-    validate,
 )
 from llmtrain.config.schema import ParallelConfig
 from llmtrain.distributed.parallel_dims import ParallelDims, default_world_size
 from llmtrain.errors import ConfigError, DataError
+from llmtrain.resolve import derive, validate
 
 REPO = Path(__file__).resolve().parents[1]
 SEED_NATIVE = REPO / "configs" / "seed" / "llm_pretrain.yaml"

@@ -28,8 +28,9 @@ import pytest
 import torch
 import yaml
 
-from llmtrain.config import config_from_dict, derive
+from llmtrain.config import config_from_dict
 from llmtrain.models import build_model
+from llmtrain.resolve import derive
 from llmtrain.train.checkpoint import load_model_weights
 
 STEPS = 12

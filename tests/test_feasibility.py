@@ -21,9 +21,10 @@ import pytest
 import yaml
 
 from llmtrain.cli import main as cli_main
-from llmtrain.config import apply_overrides, config_from_dict, derive, load_config, validate
+from llmtrain.config import apply_overrides, config_from_dict, load_config
 from llmtrain.errors import ConfigError
 from llmtrain.feasibility import FATAL_RULES, RULES, layout_problems
+from llmtrain.resolve import derive, validate
 
 MOE = ["model.model_type=qwen3", "model.flavor=debug_moe"]
 PP2 = ["model.num_layers=4", "parallel.pipeline_parallel=2"]
@@ -198,7 +199,9 @@ def test_real_train_under_two_gloo_processes(rule, config_file, tmp_path):
     assert proc.returncode != 0
     # every rank that got to print printed the same message; the agent may stop the slower one first (SIGTERM)
     assert proc.stderr.count(f"llmtrain train: error: {message}\n") >= 1, proc.stderr[-3000:]
-    assert proc.stderr.count("llmtrain train: error: ") == proc.stderr.count(f"llmtrain train: error: {message}\n")
+    assert proc.stderr.count("llmtrain train: error: ") == proc.stderr.count(
+        f"llmtrain train: error: {message}\n"
+    )
     assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr.split("llmtrain train: error")[0]
 
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtrain.config import config_from_dict, derive
+from llmtrain.config import config_from_dict
 from llmtrain.errors import ConfigError
 from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.moe import MoE, load_balance_loss, update_expert_bias
 from llmtrain.models.qwen import QWEN3
+from llmtrain.resolve import derive
 from llmtrain.train.trainer import Trainer
 from test_parallel import base as parallel_base  # tests/ is on sys.path under pytest
 from test_parallel import launch

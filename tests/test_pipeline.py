@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config import config_from_dict
-from llmtrain.config.validate import validate
 from llmtrain.errors import ConfigError
+from llmtrain.resolve.validate import validate
 from llmtrain.train.trainer import Trainer
 from test_parallel import base, launch
 

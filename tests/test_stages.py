@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from llmtrain.config import config_from_dict
-from llmtrain.config.stages import StagedLR, resolve_stages, stage_at
 from llmtrain.errors import ConfigError
+from llmtrain.resolve.stages import StagedLR, resolve_stages, stage_at
 from llmtrain.train.curriculum import Curriculum
 
 
@@ -104,7 +104,10 @@ def test_stage_lengths_from_tokens_and_steps(tmp_path):
         ([{"name": "a", "steps": 3, "overrides": {"parallel.expert_parallel": 2}}], "cannot change"),
         ([{"name": "a", "steps": 3, "fraction": 0.5}], "exactly one length"),
         ([{"name": "a", "steps": 3}, {"name": "a", "steps": 3}], "unique"),
-        ([{"name": "a", "steps": 3, "lr_schedule": "cosinus"}], "lr_schedule: 'cosinus' is not one of constant, linear, cosine, wsd"),
+        (
+            [{"name": "a", "steps": 3, "lr_schedule": "cosinus"}],
+            "lr_schedule: 'cosinus' is not one of constant, linear, cosine, wsd",
+        ),
         ([{"name": "a", "steps": 3, "overrides": {"train.lrr": 1}}], "train.lr"),
     ],
 )
@@ -190,7 +193,7 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     from llmtrain.train.checkpoint import load_model_weights
 
     resolved = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    from llmtrain.config import derive
+    from llmtrain.resolve import derive
 
     model = build_model(derive(resolved, vocab_size=512).model_args, device="cpu")
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]

@@ -29,12 +29,12 @@ import sys
 import yaml
 
 from llmtrain.config import config_to_dict, load_config
-from llmtrain.config.derived import Derived
 from llmtrain.config.schema import Config
-from llmtrain.config.stages import resolve_stages, stage_table
-from llmtrain.config.validate import check_config
 from llmtrain.distributed.parallel_dims import default_world_size
 from llmtrain.errors import ConfigError
+from llmtrain.resolve.derived import Derived
+from llmtrain.resolve.stages import resolve_stages, stage_table
+from llmtrain.resolve.validate import check_config
 
 
 def print_check(config: str, overrides: list[str], world_size: int | None = None) -> None:

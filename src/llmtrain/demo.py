@@ -42,10 +42,11 @@ def run_demo(
 ) -> None:
     """Prepare ``inputs`` (None: :func:`stdlib_sources`), train and sample into ``output_dir``, printing the
     steps and where the results are (the module docstring has the stages)."""
-    from llmtrain.config import load_config, validate
+    from llmtrain.config import load_config
     from llmtrain.data.manifest import manifest_path
     from llmtrain.data.prep.prepare import prepare
     from llmtrain.generate import generate
+    from llmtrain.resolve import validate
     from llmtrain.train.sample import load_for_generation
     from llmtrain.train.trainer import Trainer
 

@@ -5,43 +5,21 @@ one :class:`Problem` per rule that applies, in a fixed order. A fatal problem is
 warning is a legal layout that wastes something or does not do what it seems to say. Every consumer calls this
 one function and reports the first fatal problem's message verbatim:
 
-* ``config.validate`` (``llmtrain check`` and ``llmtrain train`` before anything is built): ConfigError for the
+* ``resolve.validate`` (``llmtrain check`` and ``llmtrain train`` before anything is built): ConfigError for the
   first fatal problem, the warnings returned with the others;
-* ``plan.search``: candidate layouts with a fatal problem are dropped, so the planner never proposes a layout
-  training refuses (``layout_from_config`` refuses only the ``split`` rules for the configured layout, where
-  the cost model could not split the model: the planner also costs what-if layouts this version cannot
-  train, e.g. the 100B seed with compile and TP 8, or Llama 3 405B's uneven 126 layers over PP 16 x 2);
+* ``plan.search``: candidates with a fatal problem are dropped (the planner never proposes a layout training
+  refuses); ``layout_from_config`` refuses only the ``split`` rules, so the planner can cost what-if layouts;
 * ``distributed.parallelize`` / ``distributed.pipeline``: one assertion (:func:`require_feasible`) before
-  building, in case a caller skipped validation; ``ParallelDims.from_config`` raises :func:`degree_problems`.
+  building; ``ParallelDims.from_config`` raises :func:`degree_problems`.
 
-Nothing here imports torch (directly or through its imports): the model shape is any object with the
-attributes of ``TransformerArgs`` listed in :class:`ModelShape`, so callers that have already resolved it
-(all of the above) pass it in, and a caller without it gets the rules that need no architecture.
+Nothing here imports torch: the model shape is any object with the attributes in :class:`ModelShape` (callers
+pass the resolved ``TransformerArgs``; without it, only the rules that need no architecture run).
 
 Rules: ``RULES`` lists every rule once, in report order, with its verdict (fatal or a warning), its kind and
 the config key its message names first. Kinds: ``degrees`` (the numbers do not make a mesh), ``split`` (the
 model does not divide over the degrees), ``schedule`` (pipeline batch / schedule arithmetic), ``unsupported``
 (a combination this version refuses), ``advice`` (warnings). The first fatal problem is the one reported.
-
-Disagreements resolved (the verdict follows what training does):
-
-* vocabulary % tp: a warning (validate) vs an error (planner). Training runs it, with the single-process
-  losses (llama3 debug, vocab 513, TP 2 on gloo): a warning; the planner now proposes such layouts.
-* sequence length: ``seq % (2 x cp)`` (validate) vs ``seq % (cp x tp)`` (planner). CP is refused outright, so
-  its part is moot; the TP part is real (seq 31 under TP 2 fails in the first forward: sequence parallel
-  needs equal slices), so ``tp_seq`` is fatal and validate now checks it too.
-* CP degrees 2 / 4 proposed by the planner from 32k tokens on, refused by training: refused everywhere, with
-  one device-independent message (``check`` on a laptop and ``train`` on the cluster print the same text).
-* expert_parallel > 1 on a dense model: a warning (validate) vs an error (``apply_ep``): fatal.
-* MoE x TP/PP, cpu_offload without data parallel and the EP layout limits were refused only inside
-  ``parallelize``, after process groups and data were up: now fatal in validation.
-* compile x TP was also refused only inside ``parallelize``, but the seed configs set both (llm_pretrain.yaml:
-  ``run.mode: 0`` -> train.compile, TP 8; 100b_32card.yaml) and must validate, so it is a warning and
-  ``parallelize`` runs the blocks eagerly under TP (the tested TP path) instead of refusing the run.
-* ``num_layers < pp x virtual_stages`` was an error even with pp 1, where training ignores virtual_stages:
-  with pp 1 it is the ``virtual_stages_without_pp`` warning.
-* EP together with TP / PP / CP (``ep_mesh_for``) is covered by ``moe_tp_pp``, ``context_parallel`` and
-  ``ep_without_moe``, which always come first, so it is not a rule of its own.
+Where the old copies of these rules disagreed, the verdict follows training (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -137,7 +115,9 @@ class ModelShape(Protocol):
     num_layers: int
     tie_word_embeddings: bool
     num_experts: int
-    num_moe_layers: int
+
+    @property
+    def num_moe_layers(self) -> int: ...  # read-only: a property of TransformerArgs
 
 
 class _Found(list):
@@ -149,9 +129,7 @@ class _Found(list):
 
 def schedule_name(p: ParallelConfig) -> str:
     """The schedule to run: ``parallel.schedule``; the seed key micro_batch_interleave turns 1f1b interleaved."""
-    if p.micro_batch_interleave and p.schedule == "1f1b":
-        return "interleaved_1f1b"
-    return p.schedule
+    return "interleaved_1f1b" if p.micro_batch_interleave and p.schedule == "1f1b" else p.schedule
 
 
 def pipeline_microbatches(cfg: Config, dp: int) -> int:

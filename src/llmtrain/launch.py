@@ -77,7 +77,8 @@ def torchrun_command(spec: LaunchSpec) -> list[str]:
 def launch(spec: LaunchSpec, dry_run: bool = False) -> int:
     """Validate the config for the whole job, print the torchrun line and (unless ``dry_run``) run it; returns
     torchrun's exit code, or PREEMPTED_EXIT_CODE when the newest attempt was preempted."""
-    from llmtrain.config import load_config, validate
+    from llmtrain.config import load_config
+    from llmtrain.resolve import validate
 
     nnodes_min = int(str(spec.nnodes).split(":")[0])
     cfg, _ = load_config(spec.config, spec.overrides)

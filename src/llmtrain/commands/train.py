@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from llmtrain.config import load_config, validate
+    from llmtrain.config import load_config
     from llmtrain.distributed.device import shutdown_distributed
+    from llmtrain.resolve import validate
     from llmtrain.train.trainer import Trainer
 
     cfg, notes = load_config(args.config, args.overrides)

@@ -1,15 +1,14 @@
-"""Run configuration: typed dataclasses (``schema``), YAML load/save and dotted overrides (``loader``), the
-MindSpore/MindFormers key adapter (``mindformers``), cross-field validation (``validate``) and derived figures
-(``derived``).
+"""Run configuration, at the bottom of the package: typed dataclasses (``schema``), YAML load/save and dotted
+overrides (``loader``) and the MindSpore/MindFormers key adapter (``mindformers``). It imports nothing from
+llmtrain but ``errors``; what a config *means* (derived figures, stages, cross-field validation) is
+``llmtrain.resolve``.
 
 Typical use::
 
     cfg, notes = load_config("run.yaml", ["train.lr=1e-3"])
-    warnings = validate(cfg, world_size=8)
-    figures = derive(cfg, world_size=8)
+    warnings = llmtrain.resolve.validate(cfg, world_size=8)
 """
 
-from llmtrain.config.derived import Derived, derive
 from llmtrain.config.loader import apply_overrides, config_from_dict, config_to_dict, load_config, save_config
 from llmtrain.config.schema import (
     CheckpointConfig,
@@ -23,14 +22,12 @@ from llmtrain.config.schema import (
     RunConfig,
     TrainConfig,
 )
-from llmtrain.config.validate import validate
 
 __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
     "DatasetSpec",
-    "Derived",
     "EvalConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -40,8 +37,6 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "config_to_dict",
-    "derive",
     "load_config",
     "save_config",
-    "validate",
 ]

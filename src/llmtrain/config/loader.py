@@ -11,7 +11,7 @@ The path of a config through this module::
 deliberately small: ``int``, ``float``, ``bool``, ``str``, ``X | None``, nested dataclasses, ``list[Dataclass]``
 and ``Any`` (kept as written). YAML 1.1 reads ``1e-4`` (no dot) as a string, so numeric strings are accepted
 for number fields. Every mistake raises :class:`ConfigError` naming the file and the dotted key; an unknown
-key comes with the closest valid name (difflib). Cross-field rules are not here but in ``config.validate``.
+key comes with the closest valid name (difflib). Cross-field rules are not here but in ``resolve.validate``.
 """
 
 from __future__ import annotations

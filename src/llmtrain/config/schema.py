@@ -3,7 +3,7 @@
 The YAML file is these dataclasses serialized (``config.loader`` reads and writes it). Field names follow the
 seed documents' own words where they name a setting (``model.num_heads``, ``parallel.tensor_parallel``,
 ``train.batch_size``, ``checkpoint.keep_checkpoint_max``...). Every field has a docstring (the string below
-it); ``llmtrain check --explain`` could print them. Cross-field rules live in ``config.validate``.
+it); ``llmtrain check --explain`` could print them. Cross-field rules live in ``resolve.validate``.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def resolve_device(target: str) -> torch.device:
                 "run.device_target is npu (Ascend) but torch_npu is not installed; install the torch_npu build "
                 "matching your CANN version, or use cpu/cuda."
             ) from e
-        torch.npu.set_device(local_rank)
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]  # torch.npu: registered by torch_npu
         return torch.device("npu", local_rank)
     return torch.device("cpu")
 

@@ -30,6 +30,8 @@ ep does not divide.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,19 +39,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.models.common.moe import GroupedExperts, moe_layers
 
+if TYPE_CHECKING:
+    from llmtrain.distributed.parallel_dims import ParallelDims
+
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows [M, D] with autograd; backward is the reverse exchange x ``grad_mult``."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, grad_mult):  # noqa: ANN001, ANN205
+    def forward(ctx, x, out_splits, in_splits, group, grad_mult):
         ctx.splits, ctx.group, ctx.grad_mult = (out_splits, in_splits), group, grad_mult
         out = x.new_empty(sum(out_splits), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty(sum(in_splits), *grad.shape[1:])
         dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
@@ -82,13 +87,14 @@ class _Dispatcher:
         return rows[perm], recv_by_src.sum(0)
 
     def combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        assert self.state is not None  # set by dispatch, the pre-hook of this forward
         perm, send_splits, recv_splits = self.state
         self.state = None
         rows = torch.empty_like(out).index_copy_(0, perm, out)  # back to [src rank, expert] order
         return _AllToAll.apply(rows, send_splits, recv_splits, self.group, 1.0 / self.grad_divisor)
 
 
-def ep_mesh_for(dims, world: DeviceMesh) -> DeviceMesh:  # noqa: ANN001
+def ep_mesh_for(dims: ParallelDims, world: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of the data-parallel ranks that experts are sharded over. The layout was checked by
     :mod:`llmtrain.feasibility` (ep == dp, no TP / PP / CP, no HSDP): one of dp_shard / dp_replicate is 1."""
     return world["dp_shard"] if dims.dp_shard > 1 else world["dp_replicate"]
@@ -110,7 +116,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: float) -> None
         hooks = _Dispatcher(ep_mesh.get_group(), ep, experts.num_experts, grad_divisor)
         experts.register_forward_pre_hook(hooks.dispatch)
         experts.register_forward_hook(hooks.combine)
-        experts.expert_parallel = ep  # marker for expert_params / logging
+        # marker for expert_params / logging (torch types Module.__setattr__ for Tensor | Module values only)
+        experts.expert_parallel = ep  # type: ignore[assignment]
 
 
 def expert_params(model: nn.Module) -> set[nn.Parameter]:

@@ -36,6 +36,8 @@ pipeline builder (``distributed/pipeline.py``) uses this module, never the rever
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,11 +46,12 @@ from llmtrain.config.schema import Config
 from llmtrain.distributed.parallel_dims import ParallelDims
 from llmtrain.errors import ConfigError
 from llmtrain.feasibility import require_feasible
-from llmtrain.models import get_family
+from llmtrain.models import Transformer, get_family
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Shard attention heads, MLP hidden units and the vocabulary over ``tp_mesh`` (with sequence parallel)."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     args = model.args
@@ -61,7 +64,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Each style distributed its own copy of the shared [vocab, dim] weight, both Shard(0) over the
         # vocabulary: share the embedding's DTensor again (gradients of both uses then add up in it).
-        emb, out = model.tok_embeddings.weight, model.output.weight
+        emb, out = cast(DTensor, model.tok_embeddings.weight), cast(DTensor, model.output.weight)
         if emb.placements != out.placements:
             raise ConfigError(
                 f"model.tie_word_embeddings with tensor_parallel: the {args.family} TP plan shards the "
@@ -70,7 +73,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         model.tie_weights()
 
 
-def apply_recompute(model: nn.Module, mode: str, every: int) -> None:
+def apply_recompute(model: Transformer, mode: str, every: int) -> None:
     """Wrap blocks in activation checkpointing: all of them (full) or one in ``every`` (selective)."""
     if mode == "none":
         return
@@ -82,7 +85,7 @@ def apply_recompute(model: nn.Module, mode: str, every: int) -> None:
 
 
 def apply_fsdp(
-    model: nn.Module,
+    model: Transformer,
     dp_mesh: DeviceMesh,
     zero_stage: int,
     cpu_offload: bool,
@@ -111,7 +114,7 @@ def dp_mesh_for(dims: ParallelDims, world: DeviceMesh, zero_stage: int) -> Devic
 
 
 def parallelize(
-    model: nn.Module, cfg: Config, dims: ParallelDims, world: DeviceMesh | None, device_type: str
+    model: Transformer, cfg: Config, dims: ParallelDims, world: DeviceMesh | None, device_type: str
 ) -> bool:
     """Apply TP -> recompute -> compile -> FSDP as configured. Returns True when FSDP wraps the model (its
     gradient reduction then averages over the data-parallel ranks)."""
@@ -129,7 +132,7 @@ def parallelize(
     apply_recompute(model, cfg.recompute.mode, cfg.recompute.every)
     if cfg.train.compile and dims.tp == 1:  # with TP the blocks run eagerly (feasibility warning tp_compile)
         for key, block in list(model.layers.items()):
-            model.layers[key] = torch.compile(block)
+            model.layers[key] = cast(nn.Module, torch.compile(block))  # an OptimizedModule wrapping block
     fsdp = dims.dp > 1
     if fsdp:
         assert world is not None

@@ -54,6 +54,7 @@ from llmtrain.feasibility import (
     require_feasible,
     schedule_name,
 )
+from llmtrain.models import Transformer
 
 # config name -> torch.distributed.pipelining class name (explicit registry; imported lazily)
 SCHEDULES: dict[str, str] = {
@@ -86,7 +87,7 @@ def stage_ids(pp_rank: int, p: ParallelConfig) -> list[int]:
     return [pp_rank + i * pp for i in range(v)]
 
 
-def split_model(model: nn.Module, stages: list[int], counts: list[int]) -> tuple[nn.Module, list[nn.Module]]:
+def split_model(model: Transformer, stages: list[int], counts: list[int]) -> tuple[Transformer, list[Transformer]]:
     """Prune ``model`` (meta) in place to the layers of ``stages``; return it and one shell module per stage.
 
     The shells share every submodule with the pruned model (``deepcopy`` with all submodules memoised), so
@@ -134,7 +135,7 @@ class PipelineRunner:
         cfg: Config,
         dims: ParallelDims,
         meshes: dict,
-        model: nn.Module,
+        model: Transformer,
         device: torch.device,
         ce_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
@@ -148,7 +149,8 @@ class PipelineRunner:
         self.pp_group = pp_mesh.get_group()
         counts = layers_per_stage(args.num_layers, p)
         self.stage_ids = stage_ids(pp_mesh.get_local_rank(), p)
-        self.model, self.parts = split_model(model, self.stage_ids, counts)
+        pruned, self.parts = split_model(model, self.stage_ids, counts)
+        self.model: nn.Module = pruned  # this rank's pruned Transformer (FSDP-wrapped parts share its modules)
         self.fsdp = False
         for part in self.parts:
             self.fsdp = parallelize(part, cfg, dims, meshes["world"], device.type)

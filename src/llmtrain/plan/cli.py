@@ -154,7 +154,7 @@ def print_plan(
     result.memory_args = margs  # type: ignore[attr-defined]
     total_tokens = cfg.train.max_steps * tokens_per_step
     if cfg.stages:  # a multi-stage run: its stages' tokens (lengths and batch shapes may differ per stage)
-        from llmtrain.config.stages import resolve_stages
+        from llmtrain.resolve.stages import resolve_stages
 
         total_tokens = sum(p.steps * p.tokens_per_step for p in resolve_stages(cfg)[1])
     warnings = collect_warnings(cfg, result, cluster)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from llmtrain.config.derived import derive
 from llmtrain.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from llmtrain.errors import ConfigError
 from llmtrain.feasibility import RULES, layout_problems, raise_fatal
@@ -36,6 +35,7 @@ from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster
 from llmtrain.plan.memory import Layout, MemoryEstimate, estimate_memory
 from llmtrain.plan.timing import Efficiency, StepTime, estimate_step_time
+from llmtrain.resolve.derived import derive
 
 
 @dataclass

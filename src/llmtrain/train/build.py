@@ -16,7 +16,6 @@ record (:class:`RunParts`); nothing here runs a training step.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -24,16 +23,16 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from llmtrain.config import derive, save_config
-from llmtrain.config.derived import Derived
+from llmtrain.config import save_config
 from llmtrain.config.schema import Config
-from llmtrain.config.stages import StagedLR, StagePlan, resolve_stages
 from llmtrain.data.loader import BatchIterator, build_datasets
 from llmtrain.data.manifest import read_manifest
 from llmtrain.distributed.device import init_distributed, resolve_device
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.models import Transformer, build_model
 from llmtrain.models.common.moe import MoEStepStats
+from llmtrain.resolve.run import ResolvedRun, resolve_run
+from llmtrain.resolve.stages import StagedLR
 from llmtrain.train.checkpoint import Checkpointer, ResumeChoice
 from llmtrain.train.curriculum import Curriculum, recompute_superset
 from llmtrain.train.fault import FaultInjector
@@ -44,43 +43,6 @@ from llmtrain.train.stability import EventLog, HostSnapshot, StabilityGuard
 from llmtrain.train.step import TokenLoss, TrainStep
 from llmtrain.train.straggler import StragglerMonitor
 from llmtrain.train.timing import ProfilerWindow, StepTimer
-
-
-@dataclass(frozen=True)
-class ResolvedRun:
-    """What the config means on this world: the config to train with (a copy; ``train.max_steps`` is the run's
-    real length), its derived figures, the stage plan (None: one stage) and the notes of what was resolved."""
-
-    cfg: Config
-    derived: Derived
-    stages: tuple[list[str], list[StagePlan]] | None
-    notes: tuple[str, ...]
-
-    @property
-    def max_steps(self) -> int:
-        return self.cfg.train.max_steps
-
-
-def resolve_run(cfg: Config, world_size: int, vocab_size: int, train_samples: int) -> ResolvedRun:
-    """The run's length from its stages (their total) or ``train.epochs`` (a cap on ``train.max_steps``); the
-    stage plan is resolved from the config as written (a fraction is of its ``train.max_steps``)."""
-    stages = resolve_stages(cfg) if cfg.stages else None
-    derived = derive(cfg, world_size=world_size, vocab_size=vocab_size)
-    notes, max_steps = [], cfg.train.max_steps
-    if stages is not None:  # the stage plan fixes the run's length
-        max_steps = stages[1][-1].end_step
-        if max_steps != cfg.train.max_steps:
-            notes.append(f"stages: {max_steps} steps in all (train.max_steps was {cfg.train.max_steps}).")
-    elif cfg.train.epochs:  # the seed's epoch count caps the run (max_steps still applies)
-        epoch_steps = max(cfg.train.epochs * train_samples // derived.global_batch, 1)
-        if epoch_steps < cfg.train.max_steps:
-            notes.append(
-                f"train.epochs {cfg.train.epochs} caps the run at {epoch_steps} steps "
-                f"(train.max_steps was {cfg.train.max_steps})."
-            )
-            max_steps = epoch_steps
-    resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=max_steps))
-    return ResolvedRun(resolved, derived, stages, tuple(notes))
 
 
 @dataclass

@@ -32,7 +32,7 @@ from llmtrain.train.fault import HangWatchdog, PreemptionHandler
 from llmtrain.train.timing import busy_seconds, memory_stats, split_fractions
 
 if TYPE_CHECKING:
-    from llmtrain.config.stages import StagePlan
+    from llmtrain.resolve.stages import StagePlan
     from llmtrain.train.trainer import Trainer
 
 

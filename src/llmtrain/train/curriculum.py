@@ -1,6 +1,6 @@
 """The trainer's side of a multi-stage run: the active stage, its batches, and tokens per dataset.
 
-:func:`llmtrain.config.stages.resolve_stages` fixed every stage's step range, config and mixture before the
+:func:`llmtrain.resolve.stages.resolve_stages` fixed every stage's step range, config and mixture before the
 run. Here each stage reads from its own :class:`~llmtrain.data.samples.BlendedSamples` over the run's dataset
 paths (weights 0 for the datasets it does not read), built for the stage's ``model.seq_length``. A source's
 sample stream continues across stages: a stage's blend starts each source at the samples the earlier stages
@@ -22,9 +22,9 @@ from typing import cast
 from torch import nn
 
 from llmtrain.config.schema import Config
-from llmtrain.config.stages import StagePlan
 from llmtrain.data.loader import BatchIterator, open_source
 from llmtrain.data.samples import BlendedSamples, TokenWindows
+from llmtrain.resolve.stages import StagePlan
 
 
 class Curriculum:

@@ -18,10 +18,11 @@ from llmtrain.errors import CheckpointError
 
 def load_for_generation(run_dir: str | Path):
     """(model, tokenizer, checkpoint path) for the newest checkpoint of ``run_dir``."""
-    from llmtrain.config import derive, load_config
+    from llmtrain.config import load_config
     from llmtrain.data.manifest import read_manifest, tokenizer_path
     from llmtrain.data.tokenizer import load_tokenizer
     from llmtrain.models import build_model
+    from llmtrain.resolve import derive
     from llmtrain.train.checkpoint import Checkpointer, is_committed, load_model_weights, run_dir_of
 
     path = Path(run_dir)

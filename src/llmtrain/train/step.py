@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmtrain.config.derived import Derived
 from llmtrain.config.schema import Config
 from llmtrain.data.loader import BatchIterator
+from llmtrain.resolve.derived import Derived
 from llmtrain.train.fault import FaultInjector
 from llmtrain.train.precision import LossScaler, autocast, grad_norm_
 from llmtrain.train.timing import StepTimer

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.config import config_to_dict, derive
+from llmtrain.config import config_to_dict
 from llmtrain.config.schema import Config
-from llmtrain.config.stages import SINGLE_STAGE, StagePlan
 from llmtrain.errors import LLMTrainError
 from llmtrain.plan.peak import peak_tflops, runtime_device_name
+from llmtrain.resolve import derive
+from llmtrain.resolve.stages import SINGLE_STAGE, StagePlan
 from llmtrain.train.build import build_run
 from llmtrain.train.callbacks import Callback, default_callbacks
 from llmtrain.train.checkpoint import step_dir, step_of

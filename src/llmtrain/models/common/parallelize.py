@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmtrain.models.common.args import TransformerArgs
+from llmtrain.models.common.attention import Attention
 
 
 class NoParallel(ParallelStyle):
@@ -68,10 +69,11 @@ class NoParallel(ParallelStyle):
                 for x in inputs
             )
 
-        def output_fn(mod: nn.Module, out, mesh: DeviceMesh):  # noqa: ANN001, ANN202
+        def output_fn(mod: nn.Module, out, mesh: DeviceMesh):
             return out.to_local() if isinstance(out, DTensor) else out
 
-        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+        # torch types input_fn as returning None, but a returned tuple replaces the inputs (forward pre-hook)
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)  # type: ignore[arg-type]
 
 
 class ShardAlibiHeads(ParallelStyle):
@@ -83,6 +85,7 @@ class ShardAlibiHeads(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, Attention)  # the plan puts this style on "attention" only
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         local = module.num_heads_total // tp
         start, stop = rank * local, (rank + 1) * local

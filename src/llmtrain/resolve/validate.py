@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmtrain.config.derived import Derived, derive
 from llmtrain.config.loader import choice_error, literal_values
 from llmtrain.config.schema import Config
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.feasibility import layout_problems, raise_fatal
+from llmtrain.resolve.derived import Derived, derive
 
 # Allowed values are the schema's ``Literal`` field types (one source for the loader, this check and the docs);
 # run.device_target stays a string because the seed's spellings (Ascend, GPU, CPU) are mapped onto these.
@@ -104,8 +104,8 @@ def check_config(cfg: Config, world_size: int = 1, require_data: bool = True) ->
 
 def _check_stages(cfg: Config, world_size: int, vocab: int | None, require_data: bool) -> None:
     """Every stage resolves (lengths, overrides, LR, mixture), its batch arithmetic and its layout rules pass."""
-    from llmtrain.config.stages import resolve_stages
     from llmtrain.data.manifest import manifest_path
+    from llmtrain.resolve.stages import resolve_stages
 
     for plan in resolve_stages(cfg)[1]:
         where = f"stages[{plan.index}] ({plan.name}): "
