@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmtrain.config.schema import CheckpointConfig
+from llmtrain.config.schema import CheckpointConfig, FaultConfig
 from llmtrain.errors import CheckpointError
 from llmtrain.train.checkpoint import MARKER, Checkpointer, load_model_weights
 
@@ -182,7 +182,7 @@ def test_sigkill_during_async_save_keeps_previous(tmp_path):
     if pid == 0:  # child
         try:
             ck.save(1, m, opt, {"step": 1})
-            ck.fault_hook = FaultInjector({"crash_in_save_at_step": [2]}, tmp_path).during_save
+            ck.fault_hook = FaultInjector(FaultConfig(crash_in_save_at_step=[2]), tmp_path).during_save
             ck.save_async(2, m, opt, {"step": 2})
             ck.wait()
         finally:

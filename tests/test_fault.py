@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmtrain.config.schema import CheckpointConfig
+from llmtrain.config.schema import CheckpointConfig, FaultConfig
 from llmtrain.train.checkpoint import Checkpointer, verify_checkpoint
 from llmtrain.train.fault import HANG_EXIT_CODE, FaultInjector, HangWatchdog, PreemptionHandler
 
@@ -41,7 +41,7 @@ def fork(fn) -> int:
 
 def test_kill_fires_once_across_restarts(tmp_path):
     def job():
-        inj = FaultInjector({"kill_at_step": 3}, tmp_path)
+        inj = FaultInjector(FaultConfig(kill_at_step=[3]), tmp_path)
         for step in range(1, 6):
             inj.before_step(step, batch())
 
@@ -53,13 +53,13 @@ def test_kill_fires_once_across_restarts(tmp_path):
 
 
 def test_kill_targets_only_its_rank(tmp_path):
-    inj = FaultInjector({"kill_at_step": [1], "rank": 1}, tmp_path, rank=0)
+    inj = FaultInjector(FaultConfig(kill_at_step=[1], rank=1), tmp_path, rank=0)
     assert inj.before_step(1, batch()) is not None  # rank 0 survives
     assert not (tmp_path / "faults_fired_rank0.json").exists()
 
 
 def test_hang_sleeps(tmp_path):
-    inj = FaultInjector({"hang_at_step": [2], "hang_seconds": 0.3}, tmp_path)
+    inj = FaultInjector(FaultConfig(hang_at_step=[2], hang_seconds=0.3), tmp_path)
     t0 = time.perf_counter()
     inj.before_step(1, batch())
     assert time.perf_counter() - t0 < 0.2
@@ -68,7 +68,7 @@ def test_hang_sleeps(tmp_path):
 
 
 def test_spike_corrupts_tokens_deterministically(tmp_path):
-    cfg = {"spike_at_step": [4], "spike_steps": 2, "seed": 1}
+    cfg = FaultConfig(spike_at_step=[4], spike_steps=2, seed=1)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a = FaultInjector(cfg, tmp_path / "a", vocab_size=50)
@@ -87,7 +87,7 @@ def test_spike_corrupts_tokens_deterministically(tmp_path):
 
 
 def test_nan_in_loss_and_grad(tmp_path):
-    inj = FaultInjector({"nan_at_step": [2, 3]}, tmp_path)
+    inj = FaultInjector(FaultConfig(nan_at_step=[2, 3]), tmp_path)
     loss = torch.tensor(2.5)
     assert inj.poison_loss(1, loss).item() == 2.5
     assert torch.isnan(inj.poison_loss(2, loss))
@@ -97,7 +97,7 @@ def test_nan_in_loss_and_grad(tmp_path):
     inj.after_backward(3, m)  # target is the loss: gradients untouched
     assert all(torch.isfinite(p.grad).all() for p in m.parameters())
     (tmp_path / "g").mkdir()
-    g = FaultInjector({"nan_at_step": [3], "nan_target": "grad"}, tmp_path / "g")
+    g = FaultInjector(FaultConfig(nan_at_step=[3], nan_target="grad"), tmp_path / "g")
     assert torch.isfinite(g.poison_loss(3, loss))
     g.after_backward(3, m)
     norm = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
@@ -109,7 +109,7 @@ def test_corrupt_checkpoint_after_save(tmp_path, mode):
     m = nn.Linear(3, 2)
     opt = torch.optim.AdamW(m.parameters())
     ck = Checkpointer(CheckpointConfig(), tmp_path)
-    inj = FaultInjector({"corrupt_checkpoint_at_step": [2], "corrupt_mode": mode}, tmp_path)
+    inj = FaultInjector(FaultConfig(corrupt_checkpoint_at_step=[2], corrupt_mode=mode), tmp_path)
     for step in (1, 2):
         path = ck.save(step, m, opt, {"step": step})
         inj.after_save(step, path)

@@ -139,7 +139,7 @@ def test_guard_plans_and_lowers_lr():
 
 
 def test_config_from_object_and_disabled():
-    guard = StabilityGuard({"rule": "ratio", "ratio": 3.0, "watch": ["loss"]})
+    guard = StabilityGuard(StabilityConfig(rule="ratio", ratio=3.0, watch=["loss"]))
     assert guard.cfg.ratio == 3.0 and guard.cfg.watch == ["loss"]
     off = StabilityGuard(StabilityConfig(enabled=False))
     assert off.observe(1, float("nan"), None).action == OK

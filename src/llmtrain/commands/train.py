@@ -15,8 +15,12 @@ import json
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from llmtrain.errors import PREEMPTED_EXIT_CODE
+
+if TYPE_CHECKING:
+    from llmtrain.train.trainer import Trainer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,13 +56,13 @@ def main(args: argparse.Namespace) -> int:
     return PREEMPTED_EXIT_CODE if result.get("preempted") else 0
 
 
-def _close_quietly(trainer: object) -> bool:
+def _close_quietly(trainer: Trainer | None) -> bool:
     """The error path's close: never masks the error that is ending the run."""
     if trainer is None:
         return True
     try:
-        return trainer.close(ok=False)  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - the original error is what the user must see
+        return trainer.close(ok=False)
+    except Exception:  # the original error is what the user must see
         return False
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmtrain.config.schema import Config
 from llmtrain.data.indexed import IndexedDataset, bin_path, idx_path
 from llmtrain.data.manifest import fingerprint_fields, manifest_path, read_manifest, shard_entries
 from llmtrain.data.samples import BinSamples, BlendedSamples, TokenWindows
@@ -134,7 +135,7 @@ def _open(prefix: str, where: str) -> tuple[list[IndexedDataset], dict]:
     return shards, manifest
 
 
-def build_datasets(cfg: Any) -> tuple[BlendedSamples, BlendedSamples]:
+def build_datasets(cfg: Config) -> tuple[BlendedSamples, BlendedSamples]:
     """(train, valid) blends from ``cfg.data.datasets``, ``cfg.model.seq_length``, ``cfg.train.seed`` and
     ``cfg.data.valid_fraction``. Valid sources too small for one window are left out of the valid blend."""
     specs = cfg.data.datasets

@@ -35,7 +35,7 @@ from llmtrain.feasibility import degree_problems, degrees, raise_fatal
 
 if (
     TYPE_CHECKING
-):  # annotations only: importing llmtrain.config here would be circular (config.derived uses us)
+):  # annotations only: importing llmtrain.config here would be circular (resolve.derived uses us)
     from torch.distributed.device_mesh import DeviceMesh
 
     from llmtrain.config.schema import ParallelConfig

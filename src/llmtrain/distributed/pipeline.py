@@ -87,7 +87,9 @@ def stage_ids(pp_rank: int, p: ParallelConfig) -> list[int]:
     return [pp_rank + i * pp for i in range(v)]
 
 
-def split_model(model: Transformer, stages: list[int], counts: list[int]) -> tuple[Transformer, list[Transformer]]:
+def split_model(
+    model: Transformer, stages: list[int], counts: list[int]
+) -> tuple[Transformer, list[Transformer]]:
     """Prune ``model`` (meta) in place to the layers of ``stages``; return it and one shell module per stage.
 
     The shells share every submodule with the pruned model (``deepcopy`` with all submodules memoised), so
@@ -150,7 +152,7 @@ class PipelineRunner:
         counts = layers_per_stage(args.num_layers, p)
         self.stage_ids = stage_ids(pp_mesh.get_local_rank(), p)
         pruned, self.parts = split_model(model, self.stage_ids, counts)
-        self.model: nn.Module = pruned  # this rank's pruned Transformer (FSDP-wrapped parts share its modules)
+        self.model: nn.Module = pruned  # this rank's Transformer, pruned to its stages' layers
         self.fsdp = False
         for part in self.parts:
             self.fsdp = parallelize(part, cfg, dims, meshes["world"], device.type)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 from llmtrain.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from llmtrain.errors import ConfigError
@@ -97,10 +98,11 @@ def layout_from_config(
 def layout_config(lay: Layout, global_batch: int, compile: bool = False) -> Config:
     """The run config a user would write for ``lay`` (the sections the feasibility rules read). Pipeline
     micro-batches are the gradient-accumulation steps (``parallel.micro_batch_num`` left at its default 1)."""
+    # lay.schedule is a str that Layout checked is one of plan.memory.SCHEDULES (ParallelConfig's Literal)
     parallel = ParallelConfig(
         data_parallel=lay.dp, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, context_parallel=lay.cp,
         expert_parallel=lay.ep, data_parallel_replicate=lay.dp_replicate if lay.zero_stage else 1,
-        zero_stage=lay.zero_stage, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+        zero_stage=lay.zero_stage, schedule=cast(Any, lay.schedule), virtual_stages=lay.virtual_stages,
         cpu_offload=lay.offload,
     )  # fmt: skip
     train = TrainConfig(batch_size=global_batch, micro_batch_size=lay.micro_batch_size, compile=compile)

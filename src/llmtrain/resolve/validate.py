@@ -8,7 +8,7 @@ Order of the checks (the first failure is the one reported):
    ``require_data`` (``train``); ``check`` passes False and gets a warning, since seed paths are cluster paths.
    All datasets must share one tokenizer (manifest sha256), equal to ``data.tokenizer`` when that is set, and
    ``model.vocab_size`` must not be smaller than the tokenizer's vocabulary;
-3. arithmetic: ``config.derived.derive`` (parallel degrees vs world size, the batch identity, the model's own
+3. arithmetic: ``resolve.derived.derive`` (parallel degrees vs world size, the batch identity, the model's own
    checks in ``resolve_model_args``);
 4. the parallel layout: :func:`llmtrain.feasibility.layout_problems` with the resolved model, the one place
    that holds every layout rule (the planner's search and the builders in ``distributed/`` call it too), so

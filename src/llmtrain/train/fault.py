@@ -26,7 +26,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -38,25 +37,6 @@ from llmtrain.errors import HANG_EXIT_CODE
 from llmtrain.train.checkpoint.layout import data_files, step_of
 
 KINDS = ("kill", "hang", "nan", "spike", "crash_in_save", "corrupt_checkpoint")
-
-
-def _steps(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def _from_any(cfg: Any) -> FaultConfig:
-    if cfg is None:
-        return FaultConfig()
-    if isinstance(cfg, FaultConfig):
-        return cfg
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d: getattr(cfg, k, d)
-    values = {k: get(k, v) for k, v in asdict(FaultConfig()).items()}
-    for k in values:
-        if k.endswith("_at_step"):
-            values[k] = _steps(values[k])
-    return FaultConfig(**values)
 
 
 def damage_file(path: str | Path, mode: str = "flip") -> None:
@@ -78,8 +58,10 @@ def damage_file(path: str | Path, mode: str = "flip") -> None:
 class FaultInjector:
     """The hooks of the module docstring; inert (every hook a pass-through) when nothing is configured."""
 
-    def __init__(self, cfg: Any, run_dir: str | Path, rank: int = 0, vocab_size: int | None = None):
-        self.cfg = _from_any(cfg)
+    def __init__(
+        self, cfg: FaultConfig | None, run_dir: str | Path, rank: int = 0, vocab_size: int | None = None
+    ):
+        self.cfg = cfg if cfg is not None else FaultConfig()
         self.rank = rank
         self.vocab_size = vocab_size
         self.record = Path(run_dir) / f"faults_fired_rank{rank}.json"

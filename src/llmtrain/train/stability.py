@@ -101,8 +101,8 @@ def plan_rollback(
 class StabilityGuard:
     """Per-step decisions (see the module docstring); ``state_dict`` survives resume (not rollback)."""
 
-    def __init__(self, cfg: StabilityConfig | Any | None = None):
-        cfg = cfg if isinstance(cfg, StabilityConfig) else _from_any(cfg)
+    def __init__(self, cfg: StabilityConfig | None = None):
+        cfg = cfg if cfg is not None else StabilityConfig()
         if cfg.rule not in RULES:
             raise ValueError(f"stability.rule {cfg.rule!r} is not one of {', '.join(RULES)}")
         self.cfg = cfg
@@ -219,17 +219,6 @@ class StabilityGuard:
         self.rollbacks = int(sd.get("rollbacks", 0))
         plan = sd.get("active_plan")
         self.active_plan = RollbackPlan(**plan) if plan else None
-
-
-def _from_any(cfg: Any) -> StabilityConfig:
-    """A StabilityConfig from None, a dict, or any object with (some of) its attribute names."""
-    if cfg is None:
-        return StabilityConfig()
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d: getattr(cfg, k, d)
-    defaults = StabilityConfig()
-    values = {k: get(k, v) for k, v in asdict(defaults).items()}
-    values["watch"] = list(values["watch"])
-    return StabilityConfig(**values)
 
 
 class EventLog:
