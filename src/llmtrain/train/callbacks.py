@@ -109,6 +109,7 @@ class MetricsCallback(Callback):
         if trainer.step % log_steps and trainer.step != trainer.max_steps:
             return
         now = time.time()  # intervals run log block to log block (logging time included)
+        monitor = self._monitor_fields(trainer)  # right after `now`: the timer's interval ends with it
         dt = now - (self._t or now)
         tps = (trainer.tokens_seen - self._tokens) / max(dt, 1e-9)
         row = {
@@ -125,7 +126,7 @@ class MetricsCallback(Callback):
             "stage": trainer.stage_name,
             "consumed_tokens": trainer.consumed_tokens(),
             **{k: v for k, v in out.items() if k.startswith("moe_")},
-            **self._monitor_fields(trainer),
+            **monitor,
         }
         trainer.log_row(row)
         self._t, self._tokens, self._step = now, trainer.tokens_seen, trainer.step
