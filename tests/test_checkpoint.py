@@ -150,7 +150,8 @@ def test_verify_reasons(tmp_path):
     assert "trainer_state.json" in verify_checkpoint(a)
     (c / MARKER).unlink()
     assert "marker" in verify_checkpoint(c)
-    assert Checkpointer(ck.cfg, tmp_path).select_resume().path is None  # all three invalid: fresh start
+    with pytest.raises(CheckpointError, match="none of the 2 committed checkpoints"):  # c is uncommitted now
+        Checkpointer(ck.cfg, tmp_path).select_resume()  # all invalid: an error, never a silent fresh start
 
 
 def test_exception_during_save_keeps_previous(tmp_path):
@@ -383,3 +384,20 @@ def test_async_saves_on_two_ranks_commit_once_each(tiny_corpus, tmp_path):
         "step_00000006",
     ]
     verify_checkpoint(out / "checkpoints" / "step_00000006")
+
+
+def test_every_checkpoint_invalid_is_an_error_not_a_fresh_start(tmp_path):
+    """resume: auto with no checkpoint that verifies: a CheckpointError naming each one and why; nothing deleted."""
+    m, opt, ck = three_checkpoints(tmp_path)
+    for path in ck.committed():
+        damage_file(next(path.glob("*.distcp")), "flip")
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    fresh = Checkpointer(ck.cfg, tmp_path)
+    with pytest.raises(CheckpointError, match="none of the 3 committed checkpoints") as e:
+        fresh.select_resume()
+    for step in (1, 2, 3):
+        assert f"step_0000000{step}: " in str(e.value) and "SHA-256" in str(e.value)
+    assert "checkpoint.resume: none" in str(e.value)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    none = Checkpointer(CheckpointConfig(keep_checkpoint_max=3, resume="none"), tmp_path)
+    assert none.select_resume().path is None  # the explicit way to start over

@@ -89,14 +89,18 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Write cfg as YAML (atomically: a temporary file renamed into place); load_config reads it back equal."""
+def save_config(cfg: Config, path: str | Path, header: str = "") -> None:
+    """Write cfg as YAML after ``header`` (comment lines) atomically: a temporary file renamed into place, removed
+    if the write fails; load_config reads it back equal."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    text = header + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def apply_overrides(d: dict, overrides: Sequence[str]) -> dict:

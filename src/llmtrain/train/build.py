@@ -23,7 +23,6 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from llmtrain.config import save_config
 from llmtrain.config.schema import Config
 from llmtrain.data.loader import BatchIterator, build_datasets
 from llmtrain.data.manifest import read_manifest
@@ -38,6 +37,7 @@ from llmtrain.train.curriculum import Curriculum, recompute_superset
 from llmtrain.train.fault import FaultInjector
 from llmtrain.train.optim import build_optimizer
 from llmtrain.train.precision import LossScaler
+from llmtrain.train.rundir import RunLock, write_resolved_config
 from llmtrain.train.schedule import build_lr_schedule
 from llmtrain.train.stability import EventLog, HostSnapshot, StabilityGuard
 from llmtrain.train.step import TokenLoss, TrainStep
@@ -78,6 +78,8 @@ class RunParts:
     faults: FaultInjector
     checkpointer: Checkpointer
     resume: ResumeChoice
+    lock: RunLock | None
+    """Rank 0's lock on the run directory (released by ``Trainer.close`` / the end of ``fit``)."""
 
 
 def build_run(cfg: Config) -> RunParts:
@@ -93,9 +95,14 @@ def build_run(cfg: Config) -> RunParts:
     train_samples, valid_samples = build_datasets(cfg)
     manifest = read_manifest(cfg.data.datasets[0].path)
     run = resolve_run(cfg, world_size, manifest["tokenizer"]["vocab_size"], len(train_samples))
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(run.cfg, run_dir / "config.yaml")
+    lock = RunLock(run_dir).acquire() if rank == 0 else None  # one live run per directory (train/rundir.py)
+    try:
+        if rank == 0:
+            write_resolved_config(run.cfg, run_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     cfg, d = run.cfg, run.derived
 
     # Layout: one mesh per parallel dimension; this rank's data-parallel slice.
@@ -156,5 +163,5 @@ def build_run(cfg: Config) -> RunParts:
         optimizer=optimizer, lr_at=lr_at, scaler=scaler, curriculum=curriculum, batches=batches,
         step_fn=step_fn, timer=timer, stragglers=stragglers, profiler=profiler, events=events,
         guard=StabilityGuard(cfg.stability), snapshot=HostSnapshot(int(cfg.stability.snapshot_max_gb * 2**30)),
-        faults=faults, checkpointer=checkpointer, resume=checkpointer.select_resume(),
+        faults=faults, checkpointer=checkpointer, resume=checkpointer.select_resume(), lock=lock,
     )  # fmt: skip

@@ -71,7 +71,7 @@ class Trainer:
         self.curriculum, self.batches, self.step_fn = parts.curriculum, parts.batches, parts.step_fn
         self.timer, self.stragglers, self.profiler = parts.timer, parts.stragglers, parts.profiler
         self.events, self.guard, self.snapshot = parts.events, parts.guard, parts.snapshot
-        self.faults, self.checkpointer = parts.faults, parts.checkpointer
+        self.faults, self.checkpointer, self.lock = parts.faults, parts.checkpointer, parts.lock
         self.callbacks = default_callbacks() if callbacks is None else callbacks
         self.step, self.tokens_seen = 0, 0
         self.saved_step: int | None = None  # the step of the newest save started by this process
@@ -150,6 +150,8 @@ class Trainer:
         finally:
             self._emit("close", ok)
         self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()
         if self.preempted is not None:
             return {"step": self.step, "preempted": True}
         if self.cfg.logging.plot and self.rank == 0:
@@ -201,6 +203,8 @@ class Trainer:
         finally:
             self.profiler.close()
             self.metrics.close()
+            if self.lock is not None:
+                self.lock.release()
         return clean
 
     # ------------------------------------------------------------------ stages

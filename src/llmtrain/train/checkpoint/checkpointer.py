@@ -117,6 +117,13 @@ class Checkpointer:
             dist.broadcast_object_list(box, src=0)
             choice = box[0]
         assert choice is not None  # rank 0's choice; the other ranks receive it above
+        if choice.path is None and choice.rejected:  # every rank raises the same error
+            reasons = "; ".join(f"{p}: {why}" for p, why in choice.rejected)
+            raise CheckpointError(
+                f"checkpoint.resume is auto, but none of the {len(choice.rejected)} committed checkpoints in "
+                f"{self.dir} verifies ({reasons}). Nothing was resumed or deleted. Restore them from a copy, or set "
+                "checkpoint.resume: none to start over (the unusable checkpoints are then rotated away)."
+            )
         if is_dist() and choice.path is not None:
             self.store.mark_verified(choice.path)
         self.resume_notes = choice.messages()

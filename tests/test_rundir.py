@@ -1,0 +1,97 @@
+"""A run directory has one live owner, and a user's own config.yaml in it is never replaced (train/rundir.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtrain.config import config_from_dict
+from llmtrain.errors import ConfigError
+from llmtrain.train.rundir import LOCK_NAME, RESOLVED_HEADER, RunLock
+from llmtrain.train.trainer import Trainer
+
+
+def _cfg(prefix: str, out: Path) -> dict:
+    return {
+        "model": {"model_type": "llama3", "flavor": "debug", "seq_length": 32},
+        "train": {"batch_size": 4, "micro_batch_size": 2, "max_steps": 2, "lr": 1e-3, "warmup_steps": 0,
+                  "log_steps": 1, "eval_steps": 0},
+        "data": {"datasets": [{"path": prefix, "weight": 1.0}], "valid_fraction": 0.1},
+        "checkpoint": {"save_steps": 0, "save_at_end": True, "resume": "auto"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "eval": {"at_start": False, "eval_iters": 1},
+        "run": {"device_target": "cpu", "output_dir": str(out), "threads": 1},
+    }  # fmt: skip
+
+
+def _train(cfg: dict, tmp: Path) -> subprocess.CompletedProcess:
+    cfg_file = tmp / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "llmtrain", "train", str(cfg_file)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_second_run_on_a_live_directory_is_refused(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    lock = RunLock(out).acquire()  # this process is the live run
+    try:
+        p = _train(_cfg(tiny_corpus, out), tmp_path)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert "in use by another run" in p.stderr and f'"pid": {os.getpid()}' in p.stderr
+        assert "Traceback" not in p.stderr
+        assert sorted(x.name for x in out.iterdir()) == [LOCK_NAME]  # nothing else written
+    finally:
+        lock.release()
+    p = _train(_cfg(tiny_corpus, out), tmp_path)  # the directory is free again
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (out / "checkpoints" / "step_00000002" / "COMMITTED").exists()
+
+
+def test_a_killed_owner_leaves_no_stale_lock(tmp_path):
+    code = f"from llmtrain.train.rundir import RunLock; RunLock({str(tmp_path)!r}).acquire(); import os, signal; "
+    code += "os.kill(os.getpid(), signal.SIGKILL)"
+    p = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert p.returncode == -signal.SIGKILL and (tmp_path / LOCK_NAME).exists()
+    RunLock(tmp_path).acquire().release()  # the OS dropped the dead process's lock
+
+
+def test_lock_is_reentrant_in_one_process_and_exclusive_across(tmp_path):
+    a = RunLock(tmp_path).acquire()
+    b = RunLock(tmp_path).acquire()  # same process: a second trainer over the same directory
+    b.release()
+    code = f"from llmtrain.train.rundir import RunLock; RunLock({str(tmp_path)!r}).acquire()"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "in use by another run" in p.stderr  # still held by `a`
+    a.release()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+
+
+def test_users_own_config_yaml_is_never_replaced(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    mine = "# my notes about this experiment\nmodel: {flavor: debug}\n"
+    (out / "config.yaml").write_text(mine)
+    with pytest.raises(ConfigError, match="was not written by llmtrain"):
+        Trainer(config_from_dict(_cfg(tiny_corpus, out)))
+    assert (out / "config.yaml").read_text() == mine
+    assert not list(out.glob(".config.yaml.tmp*"))
+
+
+def test_resolved_config_is_marked_and_rewritten_on_resume(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    Trainer(config_from_dict(_cfg(tiny_corpus, out))).fit()
+    text = (out / "config.yaml").read_text()
+    assert text.startswith(RESOLVED_HEADER)
+    assert yaml.safe_load(text)["train"]["max_steps"] == 2
+    cfg = _cfg(tiny_corpus, out)
+    cfg["train"]["max_steps"] = 3
+    Trainer(config_from_dict(cfg)).fit()  # ours: replaced by the new resolved config
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["max_steps"] == 3
