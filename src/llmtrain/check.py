@@ -23,6 +23,7 @@ This module is the check itself (:func:`print_check`); the command's flags are i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -43,8 +44,8 @@ def print_check(config: str, overrides: list[str], world_size: int | None = None
     cfg, notes = load_config(config, overrides)
     size, origin = resolve_world_size(cfg, world_size)
     stages = resolve_stages(cfg) if cfg.stages else None  # from the config as written, as in train
-    if stages is not None:  # the stage plan fixes the run's length
-        cfg.train.max_steps = stages[1][-1].end_step
+    if stages is not None:  # the stage plan fixes the run's length (a copy: the config as written is kept)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=stages[1][-1].end_step))
     derived, warnings = check_config(cfg, size, require_data=False)
     print(f"# llmtrain check {config}: OK\n# resolved config")
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
