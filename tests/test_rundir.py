@@ -95,3 +95,24 @@ def test_resolved_config_is_marked_and_rewritten_on_resume(tiny_corpus, tmp_path
     cfg["train"]["max_steps"] = 3
     Trainer(config_from_dict(cfg)).fit()  # ours: replaced by the new resolved config
     assert yaml.safe_load((out / "config.yaml").read_text())["train"]["max_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    "model, needle",
+    [
+        ({"num_layers": 1}, "only in the checkpoint (layers.1."),
+        ({"hidden_size": 48, "num_heads": 4}, "different shapes"),
+    ],
+)
+def test_resume_into_another_model_shape_is_refused(tiny_corpus, tmp_path, model, needle):
+    """Fewer layers used to resume silently (dropping weights); other shape changes ended in DCP tracebacks."""
+    out = tmp_path / "run"
+    Trainer(config_from_dict(_cfg(tiny_corpus, out))).fit()
+    cfg = _cfg(tiny_corpus, out)
+    cfg["model"].update(model)
+    cfg["train"]["max_steps"] = 4
+    with pytest.raises(ConfigError.__mro__[1], match="holds a model of another shape") as e:
+        Trainer(config_from_dict(cfg))
+    assert needle in str(e.value) and "config.yaml" in str(e.value)
+    p = _train(cfg, tmp_path)  # the command: exit 2, one paragraph, no traceback
+    assert p.returncode == 2 and "another shape" in p.stderr and "Traceback" not in p.stderr

@@ -99,10 +99,20 @@ def build_run(cfg: Config) -> RunParts:
     try:
         if rank == 0:
             write_resolved_config(run.cfg, run_dir)
-    except BaseException:
+        return _build_parts(
+            run, device, world_size, rank, run_dir, train_samples, valid_samples, manifest, lock
+        )
+    except BaseException:  # nothing of this run will use the directory: free it
         if lock is not None:
             lock.release()
         raise
+
+
+def _build_parts(
+    run: ResolvedRun, device: torch.device, world_size: int, rank: int, run_dir: Path, train_samples: Any,
+    valid_samples: Any, manifest: dict, lock: RunLock | None,
+) -> RunParts:  # fmt: skip
+    """The parts after the data and the resolved run (the module docstring's order, from the meshes on)."""
     cfg, d = run.cfg, run.derived
 
     # Layout: one mesh per parallel dimension; this rank's data-parallel slice.

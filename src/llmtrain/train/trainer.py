@@ -84,10 +84,15 @@ class Trainer:
             self.enter_stage(self.curriculum.plan, announce=False)
 
         choice = parts.resume
-        if choice.path is not None:
-            self._load(choice.path)
-        elif cfg.model.init_from:
-            self._init_from(cfg.model.init_from)
+        try:
+            if choice.path is not None:
+                self._load(choice.path)
+            elif cfg.model.init_from:
+                self._init_from(cfg.model.init_from)
+        except BaseException:  # this trainer will not run: free the run directory
+            if self.lock is not None:
+                self.lock.release()
+            raise
         self.metrics = MetricsLogger(
             self.run_dir, self.cfg.logging, self.max_steps, self.step, enabled=self.rank == 0,
             run_config=config_to_dict(self.cfg) if self.cfg.logging.wandb else None,
@@ -262,7 +267,12 @@ class Trainer:
             state, source = self.snapshot.restore(self.model, self.optimizer), "host memory"
         else:
             path = self.checkpoint_dir(plan.restore_step)
-            state, source = self.checkpointer.load(path, self.model, self.optimizer), str(path)
+            state, source = (
+                self.checkpointer.load(
+                    path, self.model, self.optimizer, allow_extra=self.pipeline is not None
+                ),
+                str(path),
+            )
         self._restore_trainer_state(state, guard=False)
         self.batches.consumed_samples += plan.skip_batches * self.derived.global_batch
         self.events.write(
@@ -314,7 +324,9 @@ class Trainer:
             self.snapshot.capture(self.step, self.model, self.optimizer, state)
 
     def _load(self, path: Path) -> None:
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        state = self.checkpointer.load(
+            path, self.model, self.optimizer, allow_extra=self.pipeline is not None
+        )
         self._restore_trainer_state(state, guard=True)
         self._loaded_layout = (state.get("world_size"), state.get("grad_accum"))
 

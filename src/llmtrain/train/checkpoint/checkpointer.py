@@ -184,6 +184,8 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         verify: bool = True,
+        allow_extra: bool = False,
     ) -> dict:
-        """Load model (and optimizer) state in place; return the trainer state and restore this rank's RNG."""
-        return self.store.load(path, model, optimizer, verify)
+        """Load model (and optimizer) state in place; return the trainer state and restore this rank's RNG
+        (``allow_extra``: the model is one pipeline stage of the checkpoint's model)."""
+        return self.store.load(path, model, optimizer, verify, allow_extra)

@@ -90,6 +90,37 @@ def safe_reader(path: Path) -> SafeFileSystemReader:
     return reader
 
 
+def check_model_shape(path: Path, model_state: dict, allow_extra: bool = False) -> None:
+    """CheckpointError unless the checkpoint's model tensors are the model's: same names, same global shapes.
+
+    A layout change (FSDP / TP / DP size) reshards and passes; an architecture change (layers, widths, heads,
+    vocabulary, experts) would load partly or fail inside DCP, so it is named here instead. ``allow_extra``: a
+    pipeline stage holds only its own layers, so the checkpoint may have more."""
+    meta = safe_reader(path).read_metadata().state_dict_metadata
+    saved = {
+        k[len("model.") :]: tuple(m.size)
+        for k, m in meta.items()
+        if k.startswith("model.") and hasattr(m, "size")
+    }
+    ours = {k: tuple(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(ours) - set(saved))
+    extra = [] if allow_extra else sorted(set(saved) - set(ours))
+    shapes = [f"{k} {list(saved[k])} in the checkpoint, {list(ours[k])} here" for k in sorted(set(ours) & set(saved))
+              if saved[k] != ours[k]]  # fmt: skip
+    if not (missing or extra or shapes):
+        return
+    parts = []
+    for label, items in (("missing from the checkpoint", missing), ("only in the checkpoint", extra),
+                         ("different shapes", shapes)):  # fmt: skip
+        if items:
+            parts.append(f"{len(items)} {label} ({', '.join(items[:4])}{', ...' if len(items) > 4 else ''})")
+    raise CheckpointError(
+        f"{path} holds a model of another shape than this run's: {'; '.join(parts)}. Layout changes (FSDP, TP, "
+        "data-parallel size) reshard on load, architecture changes do not: set the model section as in the run "
+        "that wrote the checkpoint (its config.yaml), or give this run another run.output_dir."
+    )
+
+
 def load_state(path: Path, state: dict) -> None:
     """``dcp.load`` of ``state`` (in place) from ``path`` through the vetted reader and the safe planner."""
     with quiet_single_process():
@@ -100,5 +131,6 @@ def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:
     """Load only the model weights of a checkpoint (for generation and export); no process group needed."""
     path = Path(path)
     state = {"model": get_model_state_dict(model)}
+    check_model_shape(path, state["model"])
     load_state(path, state)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

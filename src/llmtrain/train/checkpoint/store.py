@@ -45,7 +45,7 @@ from llmtrain.errors import CheckpointError
 from llmtrain.train.checkpoint import integrity, layout
 from llmtrain.train.checkpoint._process import barrier, is_dist, quiet_single_process, rank
 from llmtrain.train.checkpoint.rng import rng_state, set_rng_state
-from llmtrain.train.checkpoint.safe_load import load_state
+from llmtrain.train.checkpoint.safe_load import check_model_shape, load_state
 from llmtrain.train.checkpoint.staging import stage_to_cpu
 
 
@@ -276,8 +276,10 @@ class CheckpointStore:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         verify: bool = True,
+        allow_extra: bool = False,
     ) -> dict:
-        """Load model (and optimizer) state in place; return the trainer state and restore this rank's RNG."""
+        """Load model (and optimizer) state in place; return the trainer state and restore this rank's RNG.
+        ``allow_extra``: the model is one pipeline stage (the checkpoint holds the other stages' layers too)."""
         path = Path(path)
         if not layout.is_committed(path):
             raise CheckpointError(f"{path} is not a committed checkpoint (no {layout.MARKER} file).")
@@ -288,6 +290,7 @@ class CheckpointStore:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
+        check_model_shape(path, state["model"], allow_extra)
         load_state(path, state)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         if optimizer is not None:
