@@ -12,7 +12,8 @@ hit the same fault again::
     faults.after_save(step, path)                  # corrupt or truncate a committed checkpoint file
 
 :class:`HangWatchdog` is a daemon thread: when no ``beat()`` arrived for ``timeout_s``, it dumps every thread's
-Python stack (faulthandler) to ``<run_dir>/hang_rank{r}.txt`` and ends the process with ``os._exit`` (non-zero),
+Python stack (faulthandler) to ``<run_dir>/hang_rank{r}.txt`` and, after a grace of up to 2 s (so the ranks blocked
+on this one reach their own timeout and dump as well), ends the process with ``os._exit`` (non-zero),
 so torchrun's elastic agent restarts the job, which resumes from the newest valid checkpoint.
 :class:`PreemptionHandler` turns SIGTERM/SIGINT into a flag the trainer checks after each step (save, then
 exit); a second signal restores the default handler and re-delivers it, so an impatient Ctrl-C still kills.
@@ -185,6 +186,9 @@ class HangWatchdog:
                     faulthandler.dump_traceback(file=f, all_threads=True)
                     f.flush()
                     os.fsync(f.fileno())
+                # The peers blocked on this rank time out within a poll or two of it: stay (blocked) long enough
+                # for their watchdogs to dump too, or this exit would end their wait with an error first.
+                time.sleep(min(2.0, self.timeout_s))
                 os._exit(self.exit_code)
 
 
