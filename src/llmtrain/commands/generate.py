@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 
+from llmtrain.commands.flags import float_in, int_at_least
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="run directory, or a checkpoint directory inside it")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=50)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
+    parser.add_argument("--temperature", type=float_in(0.0), default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int_at_least(0), default=50)
+    parser.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=None)
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from llmtrain.commands.flags import int_at_least
 from llmtrain.plan.cli import CLAIM_KEYS
 
 
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation recompute (default: the config's recompute.mode)")  # fmt: skip
     parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params, grads, states")
     parser.add_argument("--search", action="store_true", help="rank the valid layouts of the cluster")
-    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
+    parser.add_argument("--top", type=int_at_least(1), default=5, help="layouts shown by --search")
     parser.add_argument("--claim", action="append", default=[], metavar="KEY=VALUE",
                         help=f"check a stated figure; KEY one of {', '.join(CLAIM_KEYS)}")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from llmtrain.commands.flags import int_at_least, output_prefix
 from llmtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,7 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="jsonl/txt/parquet files (.gz/.zst), globs, dirs",
     )
-    a("--output", required=True, metavar="PREFIX", help="writes PREFIX[_NNNNN].bin/.idx, manifest, report")
+    a(
+        "--output",
+        required=True,
+        metavar="PREFIX",
+        type=output_prefix,
+        help="writes PREFIX[_NNNNN].bin/.idx, manifest, report",
+    )
     a("--tokenizer", metavar="FILE", help="tokenizer.json (HF tokenizers) or .model (SentencePiece)")
     a(
         "--train-tokenizer",
@@ -51,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dedup", choices=["none", "exact", "near"], help="deduplication (default: none)")
     a("--pack", choices=["concat", "bestfit"], help="packing (default: concat)")
     a("--seq-length", type=int, help="sample length to pack for (default: 2048)")
-    a("--num-shards", type=int, help="number of .bin/.idx shards (default: 1)")
+    a("--num-shards", type=int_at_least(1), help="number of .bin/.idx shards (default: 1)")
     a("--on-error", choices=["raise", "skip"], help="malformed input: stop with an error, or skip and count")
     a("--rejects", metavar="FILE", help="write rejected documents with reasons to this jsonl file")
     a(
