@@ -80,23 +80,23 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def safe_reader(path: Path) -> SafeFileSystemReader:
-    """A reader for ``path`` whose metadata has been vetted (a clear CheckpointError instead of a DCP trace)."""
+def safe_reader(path: Path) -> tuple[SafeFileSystemReader, Any]:
+    """A reader for ``path`` and its metadata, vetted (a clear CheckpointError instead of a DCP trace)."""
     reader = SafeFileSystemReader(str(path))
     try:
-        reader.read_metadata()
+        metadata = reader.read_metadata()
     except (OSError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{path}: cannot read the checkpoint metadata ({e}).") from e
-    return reader
+    return reader, metadata
 
 
-def check_model_shape(path: Path, model_state: dict, allow_extra: bool = False) -> None:
+def check_model_shape(path: Path, metadata: Any, model_state: dict, allow_extra: bool = False) -> None:
     """CheckpointError unless the checkpoint's model tensors are the model's: same names, same global shapes.
 
     A layout change (FSDP / TP / DP size) reshards and passes; an architecture change (layers, widths, heads,
     vocabulary, experts) would load partly or fail inside DCP, so it is named here instead. ``allow_extra``: a
     pipeline stage holds only its own layers, so the checkpoint may have more."""
-    meta = safe_reader(path).read_metadata().state_dict_metadata
+    meta = metadata.state_dict_metadata
     saved = {
         k[len("model.") :]: tuple(m.size)
         for k, m in meta.items()
@@ -121,16 +121,18 @@ def check_model_shape(path: Path, model_state: dict, allow_extra: bool = False) 
     )
 
 
-def load_state(path: Path, state: dict) -> None:
-    """``dcp.load`` of ``state`` (in place) from ``path`` through the vetted reader and the safe planner."""
+def load_state(path: Path, state: dict, allow_extra: bool = False) -> None:
+    """``dcp.load`` of ``state`` (in place) from ``path`` through the vetted reader and the safe planner, after
+    :func:`check_model_shape` of ``state["model"]`` against the same metadata (read once here)."""
+    reader, metadata = safe_reader(path)
+    check_model_shape(path, metadata, state["model"], allow_extra)
     with quiet_single_process():
-        dcp.load(state, storage_reader=safe_reader(path), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:
     """Load only the model weights of a checkpoint (for generation and export); no process group needed."""
     path = Path(path)
     state = {"model": get_model_state_dict(model)}
-    check_model_shape(path, state["model"])
     load_state(path, state)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

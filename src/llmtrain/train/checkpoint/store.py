@@ -45,7 +45,7 @@ from llmtrain.errors import CheckpointError
 from llmtrain.train.checkpoint import integrity, layout
 from llmtrain.train.checkpoint._process import barrier, is_dist, quiet_single_process, rank
 from llmtrain.train.checkpoint.rng import rng_state, set_rng_state
-from llmtrain.train.checkpoint.safe_load import check_model_shape, load_state
+from llmtrain.train.checkpoint.safe_load import load_state
 from llmtrain.train.checkpoint.staging import stage_to_cpu
 
 
@@ -290,8 +290,7 @@ class CheckpointStore:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
-        check_model_shape(path, state["model"], allow_extra)
-        load_state(path, state)
+        load_state(path, state, allow_extra)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optim"])
