@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import threading
 
-from llmtrain.errors import LLMTrainError
+from llmtrain.errors import LLMTrainError, user_message
 
 # command -> (module, one-line help). An explicit registry: nothing is imported by a user-supplied name.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -46,8 +47,22 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _thread_error(hook: threading.ExceptHookArgs) -> None:
+    """A background thread's OSError (a checkpoint writer on a full disk ...) in one line: the thread that waits
+    for it reports the failure as an error of its own; anything else keeps Python's traceback."""
+    known = user_message(hook.exc_value) if hook.exc_value is not None else None
+    if known is None:
+        _default_thread_hook(hook)
+    else:
+        print(f"llmtrain: {hook.thread.name if hook.thread else 'a thread'}: {known[0]}", file=sys.stderr)
+
+
+_default_thread_hook = threading.excepthook
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    threading.excepthook = _thread_error
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     # Dotted overrides may also follow the options (`launch CFG --nproc-per-node 2 train.lr=1e-3`).
@@ -57,15 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
-    except LLMTrainError as e:
-        print(f"llmtrain {args.command}: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print(f"llmtrain {args.command}: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
         return 0
+    except (
+        LLMTrainError,
+        OSError,
+    ) as e:  # bad input, or a path the system refused: one paragraph, no traceback
+        message, code = user_message(e) or (repr(e), 1)
+        print(f"llmtrain {args.command}: error: {message}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print(f"llmtrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -50,3 +50,17 @@ def output_prefix(text: str) -> str:
             f"expected a path prefix such as data/corpus (files corpus.bin, corpus.idx, ... are written), got {text!r}"
         )
     return text
+
+
+def node_range(text: str) -> str:
+    """``N`` or ``MIN:MAX`` with 1 <= MIN <= MAX (torchrun's --nnodes), kept as written."""
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        low, high = 0, 0
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(
+            f"expected a node count N >= 1 or an elastic range MIN:MAX with 1 <= MIN <= MAX, got {text!r}"
+        )
+    return text

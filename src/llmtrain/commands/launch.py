@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 
+from llmtrain.commands.flags import node_range
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, passed on to `llmtrain train`")
     parser.add_argument("--nproc-per-node", type=int, required=True, help="processes (devices) per node")
-    parser.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic job (default 1)")
+    parser.add_argument(
+        "--nnodes", default="1", type=node_range, help="nodes, or MIN:MAX for an elastic job (default 1)"
+    )
     parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (static multi-node)")
     parser.add_argument("--master-addr", default=None, help="rendezvous host (multi-node)")
     parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port (default 29500)")

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-import yaml
-
 from llmtrain.commands.flags import int_at_least, output_prefix
 from llmtrain.errors import ConfigError
 
@@ -80,9 +78,7 @@ def main(args: argparse.Namespace) -> int:
 
     section: dict = {}
     if args.config:
-        with open(args.config, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-        section = dict((raw.get("data") or {}).get("prepare") or {})
+        section = _prepare_section(args.config)
     for name in FLAG_OPTIONS:
         if name == "text_key" and args.text_key == "text" and "text_key" in section:
             continue  # the flag's default does not override the config
@@ -101,6 +97,19 @@ def main(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     return 0
+
+
+def _prepare_section(path: str) -> dict:
+    """The ``data.prepare`` mapping of a run config (bounded safe YAML); ConfigError naming the file otherwise."""
+    from pathlib import Path
+
+    from llmtrain.config.loader import read_yaml
+
+    data = read_yaml(Path(path)).get("data") or {}
+    section = data.get("prepare") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(section or {}, dict):
+        raise ConfigError(f"--config {path}: data.prepare must be a mapping of prepare options.")
+    return dict(section or {})
 
 
 def parse_partition(text: str) -> Partition:

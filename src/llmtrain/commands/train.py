@@ -68,11 +68,12 @@ def _close_quietly(trainer: Trainer | None) -> bool:
 
 def _hard_exit(error: BaseException) -> None:
     """End the process now (``os._exit``), after saying why: used only when a background thread would not stop."""
-    from llmtrain.errors import LLMTrainError
+    from llmtrain.errors import user_message
 
-    if isinstance(error, LLMTrainError):
-        code = error.exit_code
-        print(f"llmtrain train: error: {error}", file=sys.stderr)
+    known = user_message(error)
+    if known is not None:
+        code = known[1]
+        print(f"llmtrain train: error: {known[0]}", file=sys.stderr)
     else:
         code = 130 if isinstance(error, KeyboardInterrupt) else 1
         traceback.print_exception(error)

@@ -34,12 +34,35 @@ from llmtrain.errors import ConfigError
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
-    """Read a YAML config (native or MindFormers layout), apply dotted overrides; return (config, notes)."""
+    """Read a YAML config (native or MindFormers layout), apply dotted overrides; return (config, notes).
+
+    A wrong value that came from an override is blamed on the override, not on the file."""
     path = Path(path)
     raw = read_yaml(path)
+    if not raw and not overrides:
+        raise ConfigError(
+            f"config file {path} is empty: it needs at least a model: section (see configs/demo.yaml)."
+        )
     native, notes = mindformers.adapt(raw, source=str(path))
     native = apply_overrides(native, overrides)
-    return config_from_dict(native, source=str(path)), notes
+    given = {item.partition("=")[0].strip(): item for item in overrides}
+    return config_from_dict(native, source=_Source(str(path), given)), notes
+
+
+class _Source(str):
+    """A config's file name that also knows which dotted keys the command line set (``key -> "key=value"``)."""
+
+    overrides: dict[str, str]
+
+    def __new__(cls, name: str, overrides: dict[str, str]) -> _Source:
+        obj = super().__new__(cls, name)
+        obj.overrides = overrides
+        return obj
+
+    def blame(self, key: str) -> str:
+        """Who wrote the value at dotted ``key``: the override that set it (or a section above it), or the file."""
+        item = self.overrides.get(key)
+        return f"command-line override {item!r} (over {str(self)})" if item else str(self)
 
 
 def read_yaml(path: Path) -> dict:
@@ -50,8 +73,21 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"config file {path} does not exist.") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} cannot be read as UTF-8 text: {e}.") from None
+    if len(text) > MAX_CONFIG_CHARS:
+        raise ConfigError(
+            f"config file {path} is {len(text):,} characters long; a config is at most {MAX_CONFIG_CHARS:,} "
+            f"(is this the right file?)."
+        )
+    loader = _StrictSafeLoader(text)  # a SafeLoader subclass: safe_load semantics
     try:
-        data = yaml.load(text, Loader=_StrictSafeLoader)  # a SafeLoader subclass: safe_load semantics
+        node = loader.get_single_node()
+        if node is not None:
+            _check_size(node, path)
+        data = None if node is None else loader.construct_document(node)
+    except RecursionError:
+        raise ConfigError(
+            f"config file {path} is nested too deeply to be a config (at most {MAX_CONFIG_DEPTH} levels)."
+        ) from None
     except yaml.YAMLError as e:
         where = ""
         mark = getattr(e, "problem_mark", None)
@@ -59,6 +95,8 @@ def read_yaml(path: Path) -> dict:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}.") from None
+    finally:
+        loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -67,6 +105,52 @@ def read_yaml(path: Path) -> dict:
             f"data:, ...), got a {type(data).__name__}."
         )
     return data
+
+
+# Bounds on what a config file may expand to: a billion-laughs alias bomb is a few hundred bytes of text.
+MAX_CONFIG_CHARS = 4 * 1024 * 1024
+MAX_CONFIG_NODES = 200_000  # scalars + collections after every alias is expanded
+MAX_CONFIG_DEPTH = 64
+
+
+def _check_size(root: yaml.Node, path: Path) -> None:
+    """ConfigError if the document, with its aliases expanded, is cyclic, deeper than MAX_CONFIG_DEPTH or larger
+    than MAX_CONFIG_NODES (computed on the node graph, without expanding anything)."""
+    size: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 0, False)]
+    open_ids: set[int] = set()
+    while stack:
+        node, depth, done = stack.pop()
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        if done:
+            open_ids.discard(id(node))
+            size[id(node)] = 1 + sum(size[id(c)] for c in children)
+            if size[id(node)] > MAX_CONFIG_NODES:
+                raise ConfigError(
+                    f"config file {path} expands to more than {MAX_CONFIG_NODES:,} values once its YAML "
+                    f"aliases (*name) are expanded (line {node.start_mark.line + 1}); a config this large is "
+                    f"not a config (an alias bomb?)."
+                )
+            continue
+        if id(node) in size:
+            continue
+        if id(node) in open_ids:
+            raise ConfigError(
+                f"config file {path}: the YAML alias at line {node.start_mark.line + 1} refers to a collection "
+                f"that contains it; a config cannot be recursive."
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(
+                f"config file {path} is nested more than {MAX_CONFIG_DEPTH} levels deep (line "
+                f"{node.start_mark.line + 1}); a config is a few levels of sections."
+            )
+        open_ids.add(id(node))
+        stack.append((node, depth, True))
+        stack.extend((c, depth + 1, False) for c in children if id(c) not in size)
 
 
 class _StrictSafeLoader(yaml.SafeLoader):
@@ -216,6 +300,8 @@ def _is_union(tp: Any) -> bool:
 
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     """value converted to the field type tp, or ConfigError naming source and key."""
+    if isinstance(source, _Source) and key in source.overrides:
+        source = source.blame(key)  # the whole value below this key came from the command line
     if tp is Any:
         return value
     if _is_union(tp):

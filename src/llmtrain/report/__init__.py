@@ -18,6 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from llmtrain.errors import FileSystemError
 from llmtrain.report.page import render_page
 from llmtrain.report.plots import render_all
 from llmtrain.report.run_data import load_run, plan_estimate
@@ -29,6 +30,7 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, with_plan: 
     plan, note = plan_estimate(run) if with_plan else (None, "not requested (--no-plan)")
     page = render_page(run, render_all(run), plan, note)
     out_path = Path(out) if out else run.run_dir / "report.html"
+    _check_replaceable(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=out_path.parent)
     try:
@@ -40,3 +42,20 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, with_plan: 
         Path(tmp).unlink(missing_ok=True)
         raise
     return out_path
+
+
+def _check_replaceable(path: Path) -> None:
+    """FileSystemError unless ``path`` is free or an earlier report of ours (its title says so): a user's own
+    file is never replaced, a directory is not a file."""
+    if path.is_dir():
+        raise FileSystemError(
+            f"--out {path} is a directory; name the HTML file to write, e.g. {path / 'report.html'}."
+        )
+    if path.exists():
+        with open(path, "rb") as f:
+            head = f.read(512)
+        if b"<title>llmtrain report: " not in head:
+            raise FileSystemError(
+                f"--out {path} already exists and is not a report written by llmtrain; it is left untouched. "
+                "Name a new file."
+            )

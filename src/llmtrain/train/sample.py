@@ -9,6 +9,7 @@ continued by :func:`llmtrain.generate.generate` (KV-cached decoding); the flags 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -36,11 +37,23 @@ def load_for_generation(run_dir: str | Path):
     cfg, _ = load_config(path / "config.yaml")
     cfg.run.output_dir = str(path)
     cfg.checkpoint.resume = "auto"
-    if ckpt is None:
-        checkpointer = Checkpointer(cfg.checkpoint, path)
-        ckpt = checkpointer.latest()
-        if ckpt is None:
-            raise CheckpointError(f"{path}: no committed checkpoint under {checkpointer.dir}.")
+    checkpointer = Checkpointer(cfg.checkpoint, path)
+    if ckpt is None:  # the newest checkpoint that verifies, saying which newer ones were skipped and why
+        choice = checkpointer.latest_valid()
+        if choice.path is None:
+            if not choice.rejected:
+                raise CheckpointError(f"{path}: no committed checkpoint under {checkpointer.dir}.")
+            reasons = "; ".join(f"{p}: {why}" for p, why in choice.rejected)
+            raise CheckpointError(f"{path}: no checkpoint under {checkpointer.dir} verifies ({reasons}).")
+        for message in choice.messages():
+            print(f"llmtrain: {message}", file=sys.stderr)
+        ckpt = choice.path
+    else:
+        reason = checkpointer.verify(ckpt)
+        if reason is not None:
+            raise CheckpointError(
+                f"{ckpt} fails verification: {reason}. Pass the run directory to use its newest valid checkpoint."
+            )
     prefix = cfg.data.datasets[0].path
     manifest = read_manifest(prefix)
     tok = load_tokenizer(str(tokenizer_path(prefix)))
@@ -69,6 +82,14 @@ def sample_from_run(
     model, tok, _ = load_for_generation(run_dir)
     gen = torch.Generator().manual_seed(seed)
     ids = tok.encode(prompt)
+    trained = model.args.seq_length
+    if len(ids) + max_new_tokens > trained:
+        print(
+            f"llmtrain: warning: the prompt ({len(ids)} tokens) plus --max-new-tokens {max_new_tokens} is longer "
+            f"than the {trained} tokens the model was trained on (model.seq_length); the text past that is "
+            "likely poor.",
+            file=sys.stderr,
+        )
     out = generate(
         model,
         ids,

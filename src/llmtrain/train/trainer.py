@@ -25,7 +25,7 @@ import torch
 
 from llmtrain.config import config_to_dict
 from llmtrain.config.schema import Config
-from llmtrain.errors import LLMTrainError
+from llmtrain.errors import CheckpointError, LLMTrainError
 from llmtrain.plan.peak import peak_tflops, runtime_device_name
 from llmtrain.resolve import derive
 from llmtrain.resolve.stages import SINGLE_STAGE, StagePlan
@@ -85,9 +85,13 @@ class Trainer:
 
         choice = parts.resume
         try:
-            if choice.path is not None:
-                self._load(choice.path)
-            elif cfg.model.init_from:
+            while choice.path is not None:
+                try:
+                    self._load(choice.path)
+                    break
+                except CheckpointError as e:  # verified, yet unreadable: the next older one (resume: auto)
+                    choice = self.checkpointer.after_failed_load(choice, e)
+            if choice.path is None and cfg.model.init_from:
                 self._init_from(cfg.model.init_from)
         except BaseException:  # this trainer will not run: free the run directory
             if self.lock is not None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.prep.dedup import DedupIndex
+from llmtrain.data.prep.outputs import check_outputs
 from llmtrain.data.prep.pipeline import options_from
 from llmtrain.data.prep.shards import iter_part_batches, write_dataset
 from llmtrain.errors import DataError
@@ -42,8 +43,9 @@ def find_partitions(output: str) -> list[Path]:
             f"No partitions found under '{root}'. Run `llmtrain prepare --output {output} --partition I/N ...` "
             f"for every I in 0..N-1 first."
         )
-    n = int(dirs[0].name.split("-of-")[1])
-    if {d.name for d in dirs} != {f"{i}-of-{n}" for i in range(n)}:
+    counts = {d.name.split("-of-")[1] for d in dirs}
+    n = int(counts.pop()) if len(counts) == 1 and next(iter(counts)).isdigit() else -1
+    if n < 1 or {d.name for d in dirs} != {f"{i}-of-{n}" for i in range(n)}:
         raise DataError(
             f"'{root}' holds partitions {sorted(d.name for d in dirs)}, expected exactly 0-of-{n} .. {n - 1}-of-{n}; "
             f"remove stale ones or run the missing ones."
@@ -58,6 +60,22 @@ def find_partitions(output: str) -> list[Path]:
     return ordered
 
 
+def _read_done(folder: Path) -> dict:
+    """A partition's ``done.json`` summary; DataError naming it when it is not one of ours."""
+    path = folder / "done.json"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        summary = e
+    needed = ("tokenizer", "prepare", "parts", "report")
+    if not isinstance(summary, dict) or any(k not in summary for k in needed):
+        raise DataError(
+            f"{path} is damaged (not the JSON summary `prepare --partition` writes, with {', '.join(needed)}); "
+            f"rerun that partition with the same arguments, then merge."
+        )
+    return summary
+
+
 def merge(
     output: str,
     num_shards: int | None = None,
@@ -68,7 +86,8 @@ def merge(
 ) -> dict:
     """Join the finished partitions of ``output``; returns the manifest written."""
     dirs = find_partitions(output)
-    done = [json.loads((d / "done.json").read_text(encoding="utf-8")) for d in dirs]
+    check_outputs(output, [], None)  # the merged dataset replaces only a dataset of ours
+    done = [_read_done(d) for d in dirs]
     first = done[0]
     for d, summary in zip(dirs, done):
         if summary["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:

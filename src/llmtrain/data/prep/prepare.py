@@ -46,6 +46,7 @@ from pathlib import Path
 from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.manifest import manifest_path, read_manifest, tokenizer_copy_name, write_json_atomic
 from llmtrain.data.prep.job import Partition, PrepareJob, stage_report
+from llmtrain.data.prep.outputs import check_outputs
 from llmtrain.data.prep.parts import collect_rejects, run_parts, start_pool
 from llmtrain.data.prep.pipeline import PrepareOptions, cached_tokenizer, options_from
 from llmtrain.data.prep.readers import expand_inputs, iter_documents
@@ -101,6 +102,7 @@ def _prepare(job: PrepareJob, pool: Pool | None) -> dict:
     start = time.perf_counter()
     output, opts = job.output, job.options
     files = expand_inputs(list(job.inputs))
+    check_outputs(output, files, opts.rejects, dataset=job.partition is None)  # before anything is written
     given = None  # the given tokenizer, loaded first: a bad file fails before anything is written
     if job.tokenizer is not None:
         given = cached_tokenizer(job.tokenizer, job.eos_token)

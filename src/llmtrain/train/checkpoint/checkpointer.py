@@ -118,16 +118,35 @@ class Checkpointer:
             choice = box[0]
         assert choice is not None  # rank 0's choice; the other ranks receive it above
         if choice.path is None and choice.rejected:  # every rank raises the same error
-            reasons = "; ".join(f"{p}: {why}" for p, why in choice.rejected)
-            raise CheckpointError(
-                f"checkpoint.resume is auto, but none of the {len(choice.rejected)} committed checkpoints in "
-                f"{self.dir} verifies ({reasons}). Nothing was resumed or deleted. Restore them from a copy, or set "
-                "checkpoint.resume: none to start over (the unusable checkpoints are then rotated away)."
-            )
+            raise self._none_usable(choice.rejected)
         if is_dist() and choice.path is not None:
             self.store.mark_verified(choice.path)
         self.resume_notes = choice.messages()
         return choice
+
+    def _none_usable(self, rejected: list[tuple[str, str]]) -> CheckpointError:
+        reasons = "; ".join(f"{p}: {why}" for p, why in rejected)
+        return CheckpointError(
+            f"checkpoint.resume is auto, but none of the {len(rejected)} committed checkpoints in {self.dir} "
+            f"is usable ({reasons}). Nothing was resumed or deleted. Restore them from a copy, or set "
+            "checkpoint.resume: none to start over (the unusable checkpoints are then rotated away)."
+        )
+
+    def after_failed_load(self, choice: ResumeChoice, error: CheckpointError) -> ResumeChoice:
+        """The newest valid checkpoint older than ``choice.path``, which verified but failed to load (a data file
+        that is not plain tensors, an unreadable file). Only under ``resume: auto``: a checkpoint the user named
+        fails as such. Every rank sees the same load failure (DCP gathers them), so every rank walks the same
+        list here and agrees."""
+        if str(self.cfg.resume) != "auto" or choice.path is None:
+            raise error
+        rejected = [*choice.rejected, (str(choice.path), str(error))]
+        step = layout.step_of(choice.path)
+        for path in reversed([p for p in self.committed() if layout.step_of(p) < step]):
+            reason = self.verify(path)
+            if reason is None:
+                return ResumeChoice(path, rejected)
+            rejected.append((str(path), reason))
+        raise self._none_usable(rejected)
 
     def resume_path(self) -> Path | None:
         """The checkpoint to resume from, None for a fresh start; skipped ones are in ``resume_notes``."""

@@ -10,6 +10,7 @@ stage hand-over; it needs no process group (any saved layout reshards to one pro
 from __future__ import annotations
 
 import io
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from llmtrain.errors import CheckpointError
+from llmtrain.errors import CheckpointError, exception_chain
+from llmtrain.train.checkpoint import layout
 from llmtrain.train.checkpoint._process import quiet_single_process
 
 
@@ -85,8 +87,10 @@ def safe_reader(path: Path) -> tuple[SafeFileSystemReader, Any]:
     reader = SafeFileSystemReader(str(path))
     try:
         metadata = reader.read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"{path}: cannot read the checkpoint metadata ({e}).") from e
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"{path}: cannot read the checkpoint metadata ({type(e).__name__}: a damaged or foreign file)."
+        ) from e
     return reader, metadata
 
 
@@ -123,11 +127,59 @@ def check_model_shape(path: Path, metadata: Any, model_state: dict, allow_extra:
 
 def load_state(path: Path, state: dict, allow_extra: bool = False) -> None:
     """``dcp.load`` of ``state`` (in place) from ``path`` through the vetted reader and the safe planner, after
-    :func:`check_model_shape` of ``state["model"]`` against the same metadata (read once here)."""
+    :func:`check_model_shape` of ``state["model"]`` against the same metadata (read once here). Whatever fails
+    while reading the tensors is a CheckpointError naming the checkpoint."""
     reader, metadata = safe_reader(path)
     check_model_shape(path, metadata, state["model"], allow_extra)
-    with quiet_single_process():
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    try:
+        with quiet_single_process():
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        raise CheckpointError(f"{path}: reading its tensors failed: {_read_failure(e)}.") from e
+
+
+def _read_failure(error: BaseException) -> str:
+    """What went wrong inside ``dcp.load``, in our words: torch's own text about unpickling advises turning the
+    weights-only protection off, which must never be shown as the way out."""
+    for e in exception_chain(error):
+        if isinstance(e, CheckpointError):
+            return str(e)
+        if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e):
+            return "a data file holds something other than plain tensors (refused without unpickling it)"
+        if isinstance(e, OSError):
+            return f"{e.filename or 'a data file'}: {e.strerror or e}"
+        if isinstance(e, EOFError):
+            return "a data file ends early (truncated)"
+    return f"{type(error).__name__} (a damaged data file)"
+
+
+def content_problem(path: Path) -> str | None:
+    """Why the small files of a checkpoint that passed its checksums are still unusable (None: they are fine):
+    ``trainer_state.json`` must be a JSON object whose ``step`` is the directory's step, every ``rng_rank*.json``
+    a JSON object, and the DCP metadata must unpickle through the allow-list."""
+    state_file = layout.trainer_state_file(path)
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"{state_file.name} is unreadable ({type(e).__name__})"
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"{state_file.name} is not an object with an integer step"
+    if layout.is_step_dir(path) and step != layout.step_of(path):
+        return f"{state_file.name} says step {step}, but the directory is step {layout.step_of(path)}"
+    for rng in sorted(path.glob("rng_rank*.json")):
+        try:
+            if not isinstance(json.loads(rng.read_text(encoding="utf-8")), dict):
+                return f"{rng.name} is not a JSON object"
+        except (OSError, ValueError) as e:
+            return f"{rng.name} is unreadable ({type(e).__name__})"
+    try:
+        safe_reader(path)
+    except CheckpointError as e:
+        return str(e).removeprefix(f"{path}: ").rstrip(".")
+    return None
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:

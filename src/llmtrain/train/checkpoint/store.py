@@ -18,6 +18,7 @@ the commit barrier while the others train on.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import threading
@@ -41,11 +42,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llmtrain.config.schema import CheckpointConfig
-from llmtrain.errors import CheckpointError
+from llmtrain.errors import CheckpointError, exception_chain, os_error_text
 from llmtrain.train.checkpoint import integrity, layout
 from llmtrain.train.checkpoint._process import barrier, is_dist, quiet_single_process, rank
 from llmtrain.train.checkpoint.rng import rng_state, set_rng_state
-from llmtrain.train.checkpoint.safe_load import load_state
+from llmtrain.train.checkpoint.safe_load import content_problem, load_state
 from llmtrain.train.checkpoint.staging import stage_to_cpu
 
 
@@ -97,7 +98,7 @@ class CheckpointStore:
         path = Path(path).resolve()
         if path in self._verified:
             return None
-        reason = integrity.verify_checkpoint(path, self.threads)
+        reason = integrity.verify_checkpoint(path, self.threads) or content_problem(path)
         if reason is None:
             self._verified.add(path)
         return reason
@@ -126,11 +127,19 @@ class CheckpointStore:
     ) -> Path:
         """Write a checkpoint of ``step`` and commit it before returning; every rank calls this."""
         tmp, final, state = self._prepare(step, model, optimizer)
-        with quiet_single_process():
-            dcp.save(state, storage_writer=self._writer(tmp))
-        barrier()
-        if rank() == 0:
-            self._commit(step, tmp, final, trainer_state)
+        try:
+            with quiet_single_process():
+                dcp.save(state, storage_writer=self._writer(tmp))
+            barrier()
+            if rank() == 0:
+                self._commit(step, tmp, final, trainer_state)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            failure = save_failure(step, tmp, e)
+            if failure is None:
+                raise
+            raise failure from e
         barrier()
         return final
 
@@ -210,10 +219,11 @@ class CheckpointStore:
             return None
         barrier(self._group)
         if pending.error is not None:
-            raise CheckpointError(
+            failure = save_failure(pending.step, pending.tmp, pending.error) or CheckpointError(
                 f"asynchronous save of step {pending.step} to {pending.tmp} failed: {pending.error!r}; "
                 "the previous checkpoints are untouched."
-            ) from pending.error
+            )
+            raise failure from pending.error
         return pending.final
 
     def close(self, finish: bool, timeout_s: float = 60.0) -> bool:
@@ -298,3 +308,31 @@ class CheckpointStore:
         if rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()), self.device_type)
         return json.loads(layout.trainer_state_file(path).read_text())
+
+
+def save_failure(step: int, tmp: Path, error: BaseException) -> CheckpointError | None:
+    """The one message for a save the filesystem refused: the folder, the system's reason (a full disk named as
+    such; torch's zip writer reports one as "unexpected pos"), and that nothing committed was touched; the partial
+    ``.tmp`` is removed (it also frees the space). None for any other error (a bug: raised as it is, its ``.tmp``
+    left for the next rotation)."""
+    folder = tmp.parent
+    os_errors = [e for e in exception_chain(error) if isinstance(e, OSError)]
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = -1
+    full = any(e.errno in (errno.ENOSPC, errno.EDQUOT) for e in os_errors) or (
+        0 <= free < 16 * 1024 * 1024 and "unexpected pos" in "".join(str(e) for e in exception_chain(error))
+    )
+    if full:
+        reason = f"the disk holding {folder} is full ({free / 2**20:.1f} MiB free): free space or set checkpoint.save_dir elsewhere"
+    elif os_errors:
+        reason = os_error_text(os_errors[0]).rstrip(".")
+    else:
+        return None
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return CheckpointError(
+        f"saving the checkpoint of step {step} failed: {reason}. The partial {tmp.name} was removed; the "
+        "checkpoints committed before it are untouched."
+    )
