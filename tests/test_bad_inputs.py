@@ -235,6 +235,9 @@ def test_malicious_data_file_is_refused_without_unpickling(run, tmp_path, capfd)
         ("stability.watch=[bogus]", "stability.watch[0]: 'bogus' is not one of loss, grad_norm"),
         ("stability.rule=os.system", "stability.rule: 'os.system' is not one of"),
         ("train.lr=abc", "command-line override 'train.lr=abc'"),
+        ("data.mixture=[{start_sample: 8, weights: [0.5, 0.5]}]", "weights: [1 non-negative numbers"),
+        ("data.mixture=[{start_sample: -5, weights: [1.0]}]", "start_sample: N >= 1"),
+        ("data.mixture=[{start_sample: 8, weights: [abc]}]", "data.mixture[0].weights = ['abc']"),
     ],
 )
 def test_check_refuses_what_train_refuses(tmp_path, tiny_corpus, capfd, override, needle):
@@ -372,6 +375,25 @@ def test_full_disk_is_named(tmp_path, tiny_corpus):
         subprocess.run(["umount", str(disk)], check=False)
 
 
+def test_read_only_filesystem_is_named(tmp_path, tiny_corpus, capfd):
+    """run.output_dir on a read-only filesystem (a read-only tmpfs; needs permission to mount, else skipped: as
+    root, chmod cannot make a folder read-only)."""
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        cfg = write_cfg(tmp_path, _cfg(tiny_corpus, disk / "r"))
+        code, _, err = call(capfd, "train", cfg)
+        assert (
+            code == 2 and f"{disk}/r" in err and "Read-only file system" in err and "choose a writable" in err
+        )
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 # ---------------------------------------------------------------- messages that name the right culprit
 
 
@@ -406,3 +428,24 @@ def test_empty_config_yaml_under_generate_names_it(run, capfd):
 
 def _dataset(run: Path) -> str:
     return yaml.safe_load((run / "config.yaml").read_text())["data"]["datasets"][0]["path"]
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda m: {**m, "tokenizer": "x"}, "was changed after prepare wrote it"),
+        (
+            lambda m: {**{k: v for k, v in m.items() if k != "manifest_sha256"}, "tokenizer": "x"},
+            "'tokenizer' and 'files' must be JSON objects",
+        ),
+    ],
+)
+def test_a_hand_edited_manifest_is_refused(tmp_path, tiny_corpus, capfd, edit, needle):
+    folder = tmp_path / "data"
+    shutil.copytree(Path(tiny_corpus).parent, folder)
+    manifest = folder / (Path(tiny_corpus).name + ".manifest.json")
+    manifest.write_text(json.dumps(edit(json.loads(manifest.read_text()))))
+    cfg = write_cfg(tmp_path, _cfg(str(folder / Path(tiny_corpus).name), tmp_path / "r"))
+    for command in ("check", "train"):
+        code, _, err = call(capfd, command, cfg)
+        assert code == 2 and needle in err and str(manifest) in err, (command, err)

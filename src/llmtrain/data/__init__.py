@@ -5,6 +5,8 @@ Two halves, so that training never imports the offline tools. Runtime (this pack
 
 * ``indexed``   Megatron-LM compatible ``.bin/.idx`` writer and memory-mapped reader (the on-disk format);
 * ``manifest``  ``PREFIX.manifest.json`` (tokenizer, shards, checksums, report) that makes a dataset self-contained;
+* ``describe``  what a prefix is: its manifest, or a plain Megatron ``.bin/.idx`` read with ``data.tokenizer``;
+* ``verify``    sha256 of the files against the manifest (once, then a stamp) and token ids against the vocabulary;
 * ``tokenizer`` one :class:`Tokenizer` over HF ``tokenizers`` and SentencePiece: load, encode, decode;
 * ``samples``   token windows over a split and the weighted, infinite blend (Megatron's GPTDataset semantics);
 * ``loader``    ``build_datasets(cfg)`` and the stateful, DP-layout-independent :class:`BatchIterator`.

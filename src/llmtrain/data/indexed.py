@@ -15,12 +15,17 @@ here are read by Megatron-LM and MindFormers, and theirs by us. All integers are
 
 ``prepare`` with ``concat`` packing writes one sequence per document, so ``document_indices`` is ``0, 1, ..., n``;
 with ``bestfit`` packing a sequence is one packed bin and a Megatron "document" is a group of bins that share a
-source document (see ``pack``). The reader accepts both, and Megatron's sentence-split multi-sequence documents. Reading is a memory map: a
-sequence is a zero-copy numpy view of the ``.bin`` file.
+source document (see ``pack``). The reader accepts both, and Megatron's sentence-split multi-sequence documents
+(``preprocess_data.py --split-sentences``: one sequence per sentence, the EOD appended to the last one).
+:meth:`IndexedDataset.document_view` merges each such document into one sequence (its sequences are adjacent in
+``.bin`` in every writer), so the loader can shuffle whole documents. Reading is a memory map: a sequence is a
+zero-copy numpy view of the ``.bin`` file. :func:`read_header` reads only the 34-byte header (dtype and counts),
+for describing a dataset without mapping it.
 """
 
 from __future__ import annotations
 
+import copy
 import struct
 from pathlib import Path
 
@@ -140,6 +145,26 @@ class IndexedDatasetWriter:
             f.write(doc_indices.tobytes(order="C"))
 
 
+def read_header(prefix: str | Path) -> tuple[np.dtype, int, int]:
+    """(token dtype, sequences S, document_indices entries C) from the header of ``PREFIX.idx``; DataError
+    naming the file when it is missing or not an MMIDIDX index."""
+    ipath = idx_path(prefix)
+    try:
+        with open(ipath, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise DataError(f"Cannot read the index '{ipath}' of dataset prefix '{prefix}' ({e}).") from None
+    if len(head) < HEADER_BYTES or head[: len(MAGIC)] != MAGIC:
+        raise DataError(f"'{ipath}' is not a Megatron MMIDIDX index (bad magic or truncated header).")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(MAGIC) :])
+    if version != VERSION or code not in CODE_DTYPES:
+        raise DataError(
+            f"'{ipath}' has index version {version} / dtype code {code}; expected version 1 "
+            f"and one of Megatron's dtype codes {sorted(CODE_DTYPES)}."
+        )
+    return CODE_DTYPES[code], int(n_seq), int(n_doc)
+
+
 class IndexedDataset:
     """Memory-mapped reader of ``PREFIX.bin`` / ``PREFIX.idx``; ``ds[i]`` is sequence ``i`` as a numpy view."""
 
@@ -152,19 +177,12 @@ class IndexedDataset:
                     f"Dataset prefix '{prefix}' has no '{p}'. A dataset is PREFIX.bin + PREFIX.idx as written by "
                     f"`llmtrain prepare --output PREFIX` (or Megatron-LM's preprocess_data.py)."
                 )
+        self.dtype: np.dtype
+        self.dtype, n_seq, n_doc = read_header(prefix)
         raw = np.memmap(ipath, dtype=np.uint8, mode="r")
-        if raw.size < HEADER_BYTES or bytes(raw[: len(MAGIC)]) != MAGIC:
-            raise DataError(f"'{ipath}' is not a Megatron MMIDIDX index (bad magic or truncated header).")
-        version, code, n_seq, n_doc = struct.unpack("<QBQQ", bytes(raw[len(MAGIC) : HEADER_BYTES]))
-        if version != VERSION or code not in CODE_DTYPES:
-            raise DataError(
-                f"'{ipath}' has index version {version} / dtype code {code}; expected version 1 "
-                f"and one of Megatron's dtype codes {sorted(CODE_DTYPES)}."
-            )
         expected = HEADER_BYTES + n_seq * (4 + 8) + n_doc * 8
         if raw.size < expected:
             raise DataError(f"'{ipath}' is truncated: {raw.size} bytes, its header needs {expected}.")
-        self.dtype: np.dtype = CODE_DTYPES[code]
         off = HEADER_BYTES
         self.sizes: np.ndarray = np.frombuffer(raw, dtype=np.int32, count=n_seq, offset=off)  # [S]
         off += 4 * n_seq
@@ -172,6 +190,11 @@ class IndexedDataset:
         off += 8 * n_seq
         self.document_indices: np.ndarray = np.frombuffer(raw, dtype=np.int64, count=n_doc, offset=off)  # [C]
         self._idx_map = raw
+        if n_doc and (self.document_indices[0] != 0 or self.document_indices[-1] != n_seq):
+            raise DataError(
+                f"'{ipath}' is inconsistent: its document_indices run from {int(self.document_indices[0])} to "
+                f"{int(self.document_indices[-1])}, they must run from 0 to its {n_seq} sequences."
+            )
         n_bytes = bpath.stat().st_size
         need = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n_seq else 0
         if n_bytes < need:
@@ -200,6 +223,29 @@ class IndexedDataset:
             length = size - offset
         start = int(self.pointers[i]) // self.dtype.itemsize + offset
         return self.tokens[start : start + length]
+
+    def document_view(self) -> IndexedDataset:
+        """This dataset with one sequence per document: a multi-sequence document's sequences (adjacent in
+        ``.bin``) become one sequence of their total length, ``document_indices`` becomes ``0, 1, ..., D``.
+        ``self`` when every document already is one sequence, or when some document's sequences are not
+        adjacent in ``.bin`` (no writer makes that; its sequences then stay separate units)."""
+        doc = self.document_indices  # [C]
+        n_docs = self.num_documents
+        if len(self) == 0 or (n_docs == len(self) and np.array_equal(doc, np.arange(n_docs + 1))):
+            return self
+        size = self.dtype.itemsize
+        starts, ends = doc[:-1], doc[1:]  # [D] first sequence, one past the last
+        adjacent = self.pointers[1:] == self.pointers[:-1] + self.sizes[:-1].astype(np.int64) * size  # [S-1]
+        inner = np.ones(len(self), dtype=bool)  # [S] sequence continues its document's previous one
+        inner[starts[ends > starts]] = False
+        if not np.all(adjacent[inner[1:]]):
+            return self
+        cum = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])  # [S+1]
+        view = copy.copy(self)
+        view.sizes = cum[ends] - cum[starts]  # [D] int64
+        view.pointers = np.where(ends > starts, self.pointers[np.minimum(starts, len(self) - 1)], 0)
+        view.document_indices = np.arange(n_docs + 1, dtype=np.int64)
+        return view
 
     @property
     def num_documents(self) -> int:

@@ -1,7 +1,9 @@
 """From ``cfg.data`` to this rank's micro-batches: dataset splits, the blend, and the stateful batch iterator.
 
-:func:`build_datasets` opens every ``data.datasets`` prefix (memory-mapped ``.bin/.idx`` plus its manifest),
-checks that the files match the manifest and that all datasets share one tokenizer, splits each dataset's
+:func:`build_datasets` opens every ``data.datasets`` prefix (memory-mapped ``.bin/.idx``, described by its
+manifest or, for a plain Megatron dataset, by its ``.idx`` header and ``data.tokenizer``: ``describe``),
+verifies the files (sha256 against the manifest, token ids against the vocabulary: ``verify``), checks that all
+datasets share one tokenizer, splits each dataset's
 *documents* into train and validation (a fixed pseudo-random choice that does not depend on ``train.seed``, so
 validation losses stay comparable across seeds; no document is in both), and returns two
 :class:`~llmtrain.data.samples.BlendedSamples`.
@@ -18,7 +20,9 @@ for document-masked attention. Padding of ``bestfit`` bins has label ``-100`` (i
 ``data.eod_mask_loss`` the label after each EOS (predicting a new document from nothing) is ``-100`` too.
 
 Datasets may be multi-shard (``PREFIX.manifest.json`` listing ``PREFIX_00000.bin`` ...) and ``bestfit``-packed
-(the manifest's ``packing``; its ``seq_length`` must equal ``model.seq_length``). ``data.mixture`` (a list of
+(the manifest's ``packing``; its ``seq_length`` must equal ``model.seq_length``). Concat datasets are windowed
+over whole documents: a Megatron document split into several sequences (``--split-sentences``) is one unit
+(``IndexedDataset.document_view``), its sentences in order (Megatron's own GPTDataset shuffles sequences). ``data.mixture`` (a list of
 ``{start_sample, weights}``) changes the blend at given samples (see ``samples``). The iterator also counts, per
 dataset path, the input tokens consumed by all ranks (``consumed_tokens``); that count is in its state.
 
@@ -36,9 +40,10 @@ import numpy as np
 import torch
 
 from llmtrain.config.schema import Config
-from llmtrain.data.indexed import IndexedDataset, bin_path, idx_path
-from llmtrain.data.manifest import fingerprint_fields, manifest_path, read_manifest, shard_entries
+from llmtrain.data.describe import DatasetInfo, describe_dataset
+from llmtrain.data.indexed import IndexedDataset, bin_path
 from llmtrain.data.samples import BinSamples, BlendedSamples, TokenWindows
+from llmtrain.data.verify import verify_dataset
 from llmtrain.errors import ConfigError, DataError
 
 __all__ = [
@@ -105,34 +110,34 @@ def split_shards(
     return np.concatenate(train), np.concatenate(valid)
 
 
-def _open(prefix: str, where: str) -> tuple[list[IndexedDataset], dict]:
-    """Shards and manifest of ``prefix`` (named ``where`` in the config), checked against each other."""
-    if not any(p.exists() for p in (bin_path(prefix), idx_path(prefix), manifest_path(prefix))):
-        raise DataError(
-            f"{where} = '{prefix}': no dataset at this prefix ({prefix}.bin, {prefix}.idx and "
-            f"{prefix}.manifest.json are missing). Create it with `llmtrain prepare --output {prefix} ...` or fix "
-            f"the path (relative paths are relative to the working directory)."
-        )
-    manifest = read_manifest(prefix)
+def _open(
+    prefix: str, where: str, tokenizer: str | None = None, vocab_size: int | None = None
+) -> tuple[list[IndexedDataset], DatasetInfo, dict[str, str]]:
+    """Shards, description and verified checksums of ``prefix`` (named ``where`` in the config; ``tokenizer``:
+    ``data.tokenizer``, ``vocab_size``: ``model.vocab_size``), the files checked against the manifest."""
+    info = describe_dataset(prefix, tokenizer, where)
+    manifest = info.manifest
     shards = []
-    for shard_prefix, entry in shard_entries(prefix, manifest):
+    for shard_prefix, entry in info.shards:
         dataset = IndexedDataset(shard_prefix)
-        expected = entry["files"]["bin"]["bytes"]
-        actual = bin_path(shard_prefix).stat().st_size
-        if actual != expected or dataset.dtype.name != manifest["dtype"]:
-            raise DataError(
-                f"{where} = '{prefix}': the files of shard '{shard_prefix}' do not match the manifest ({actual} "
-                f"bytes of {dataset.dtype.name} tokens on disk, the manifest says {expected} bytes of "
-                f"{manifest['dtype']}). The files were changed or copied incompletely; run prepare again."
-            )
+        if manifest is not None and entry is not None:
+            expected = entry["files"]["bin"]["bytes"]
+            actual = bin_path(shard_prefix).stat().st_size
+            if actual != expected or dataset.dtype.name != manifest["dtype"]:
+                raise DataError(
+                    f"{where} = '{prefix}': the files of shard '{shard_prefix}' do not match the manifest ({actual} "
+                    f"bytes of {dataset.dtype.name} tokens on disk, the manifest says {expected} bytes of "
+                    f"{manifest['dtype']}). The files were changed or copied incompletely; run prepare again."
+                )
         shards.append(dataset)
     on_disk = sum(d.num_tokens for d in shards)
-    if on_disk != manifest["tokens"]:
+    if manifest is not None and on_disk != manifest["tokens"]:
         raise DataError(
             f"{where} = '{prefix}': the .bin/.idx files do not match the manifest ({on_disk} tokens on disk, the "
             f"manifest says {manifest['tokens']}). The files were changed or copied incompletely; run prepare again."
         )
-    return shards, manifest
+    checksums = verify_dataset(info, where, vocab_size)
+    return shards, info, checksums
 
 
 def build_datasets(cfg: Config) -> tuple[BlendedSamples, BlendedSamples]:
@@ -148,18 +153,20 @@ def build_datasets(cfg: Config) -> tuple[BlendedSamples, BlendedSamples]:
     if not 0.0 <= valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction = {valid_fraction}: it must be in [0, 1).")
     train, valid, weights, valid_weights = [], [], [], []
-    tokenizer_sha = None
+    tokenizer_sha: str | None = None
     for i, spec in enumerate(specs):
         prefix = spec["path"] if isinstance(spec, dict) else spec.path
         weight = float(spec.get("weight", 1.0) if isinstance(spec, dict) else spec.weight)
         where = f"data.datasets[{i}].path"
         if not weight > 0:
             raise ConfigError(f"data.datasets[{i}].weight = {weight}: blend weights must be positive.")
-        source, held_out, sha = open_source(str(prefix), where, seq_length, seed, valid_fraction)
+        source, held_out, sha = open_source(
+            str(prefix), where, seq_length, seed, valid_fraction, cfg.data.tokenizer, cfg.model.vocab_size
+        )
         if tokenizer_sha is not None and sha != tokenizer_sha:
             raise DataError(
                 f"{where} = '{prefix}' was tokenized with another tokenizer than data.datasets[0] (sha256 "
-                f"{sha[:12]} vs {tokenizer_sha[:12]}); blended datasets must share one tokenizer."
+                f"{str(sha)[:12]} vs {str(tokenizer_sha)[:12]}); blended datasets must share one tokenizer."
             )
         tokenizer_sha = sha
         train.append(source)
@@ -168,7 +175,7 @@ def build_datasets(cfg: Config) -> tuple[BlendedSamples, BlendedSamples]:
             valid.append(held_out)
             valid_weights.append(weight)
     meta = {"valid_fraction": valid_fraction, "seq_length": seq_length}
-    schedule = _mixture(getattr(cfg.data, "mixture", None), len(train))
+    schedule = parse_mixture(getattr(cfg.data, "mixture", None), len(train))
     train_blend = BlendedSamples(train, weights, seed, meta={**meta, "split": "train"}, schedule=schedule)
     valid_blend = BlendedSamples(valid, valid_weights, seed, meta={**meta, "split": "valid"})
     for blend in (train_blend, valid_blend):
@@ -177,12 +184,19 @@ def build_datasets(cfg: Config) -> tuple[BlendedSamples, BlendedSamples]:
 
 
 def open_source(
-    prefix: str, where: str, seq_length: int, seed: int, valid_fraction: float
-) -> tuple[TokenWindows, TokenWindows, str]:
+    prefix: str,
+    where: str,
+    seq_length: int,
+    seed: int,
+    valid_fraction: float,
+    tokenizer: str | None = None,
+    vocab_size: int | None = None,
+) -> tuple[TokenWindows, TokenWindows, str | None]:
     """(train samples, held-out samples, tokenizer sha256) of the dataset at ``prefix`` (``where`` names it in
-    the config); DataError when it has not one training sample of ``seq_length``."""
-    shards, manifest = _open(prefix, where)
-    packing = manifest.get("packing") or {"mode": "concat"}
+    the config; ``tokenizer``: ``data.tokenizer``, needed by a dataset without a manifest; ``vocab_size``:
+    ``model.vocab_size``); DataError when it has not one training sample of ``seq_length``."""
+    shards, info, checksums = _open(prefix, where, tokenizer, vocab_size)
+    packing = info.packing
     kind = TokenWindows
     if packing["mode"] == "bestfit":
         kind = BinSamples
@@ -191,9 +205,11 @@ def open_source(
                 f"{where} = '{prefix}' was packed (bestfit) for seq_length {packing['seq_length']}, but "
                 f"model.seq_length is {seq_length}; run prepare again with --seq-length {seq_length}."
             )
-    eos_id = manifest["tokenizer"]["eos_id"]
+    else:  # windows over whole documents (a sentence-split Megatron document is one unit)
+        shards = [ds.document_view() for ds in shards]
+    eos_id = info.eos_id
     train_ids, valid_ids = split_shards(shards, valid_fraction, seq_length)
-    identity = fingerprint_fields(manifest)
+    identity = info.identity(checksums)
     source = kind(shards, train_ids, seq_length, seed, eos_id=eos_id, identity=identity, name=prefix)
     if len(source) == 0:
         raise DataError(
@@ -201,11 +217,11 @@ def open_source(
             f"= {seq_length + 1}: not one sample. Add data or lower model.seq_length."
         )
     held_out = kind(shards, valid_ids, seq_length, seed, eos_id=eos_id, identity=identity, name=prefix)
-    return source, held_out, manifest["tokenizer"]["sha256"]
+    return source, held_out, info.tokenizer_sha256
 
 
-def _mixture(entries: Any, n: int) -> list[tuple[int, list[float]]]:
-    """``data.mixture`` -> [(start_sample, weights)]; ConfigError naming the bad entry."""
+def parse_mixture(entries: Any, n: int) -> list[tuple[int, list[float]]]:
+    """``data.mixture`` -> [(start_sample, weights)]; ConfigError naming the bad entry (``check`` calls it too)."""
     schedule = []
     for i, e in enumerate(entries or []):
         get = e.get if isinstance(e, dict) else lambda k, d=None, e=e: getattr(e, k, d)
@@ -215,7 +231,8 @@ def _mixture(entries: Any, n: int) -> list[tuple[int, list[float]]]:
                 f"data.mixture[{i}] = {e!r}: expected {{start_sample: N >= 1, weights: [{n} non-negative "
                 f"numbers, one per data.datasets entry]}}."
             )
-        if any(not float(x) >= 0 for x in w) or not sum(map(float, w)) > 0:
+        numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in w)
+        if not numbers or any(not float(x) >= 0 for x in w) or not sum(map(float, w)) > 0:
             raise ConfigError(f"data.mixture[{i}].weights = {list(w)}: non-negative with a positive sum.")
         schedule.append((start, [float(x) for x in w]))
     return schedule

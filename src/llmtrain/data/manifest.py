@@ -15,13 +15,15 @@ One shard is ``PREFIX.bin/.idx`` (and ``files`` describes it, as in the foundati
 ``PREFIX_00000.bin/.idx`` ... listed in ``shards`` (``files`` is then empty). A manifest without ``shards``
 (older, or hand-written) is one shard at the prefix itself.
 
-The manifest is written last and atomically by ``prepare``: its presence means the shard is complete. Its
+The manifest is written last and atomically by ``prepare``: its presence means the shard is complete. It
+carries the sha256 of its own content (``manifest_sha256``), so a manifest edited or damaged afterwards is refused. Its
 checksums feed the loader's fingerprint (a resumed run must read the same tokens). File names inside it are
 relative to the manifest's folder, so a dataset folder can be moved or copied as a whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -63,7 +65,32 @@ def read_manifest(prefix: str) -> dict:
         raise DataError(
             f"Manifest '{path}' has version {manifest['version']}; this llmtrain reads version {VERSION}."
         )
+    sealed = manifest.get(SEAL_KEY)
+    if sealed is not None and sealed != _seal(manifest):
+        raise DataError(
+            f"Manifest '{path}' of dataset '{prefix}' was changed after prepare wrote it (its {SEAL_KEY} does not "
+            f"match its content); restore it from a copy or run prepare again."
+        )
+    if not isinstance(manifest["tokenizer"], dict) or not isinstance(manifest["files"], dict):
+        raise DataError(
+            f"Manifest '{path}' of dataset '{prefix}': 'tokenizer' and 'files' must be JSON objects; run prepare "
+            "again."
+        )
     return manifest
+
+
+SEAL_KEY = "manifest_sha256"
+
+
+def _seal(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != SEAL_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+
+
+def sealed(manifest: dict) -> dict:
+    """``manifest`` with the sha256 of its own content (``manifest_sha256``): a manifest edited or damaged after
+    prepare wrote it is refused by :func:`read_manifest` (older manifests without the key are read as before)."""
+    return {**manifest, SEAL_KEY: _seal(manifest)}
 
 
 def tokenizer_path(prefix: str) -> Path:

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmtrain.data.describe import try_describe
 from llmtrain.data.indexed import IndexedDataset
-from llmtrain.data.manifest import fingerprint_fields, manifest_path, read_manifest
 from llmtrain.errors import DataError
 
 BLEND_BLOCK = 1 << 14  # samples per lazily computed block of the blend
@@ -100,11 +100,11 @@ class TokenWindows:
         self.eos_id = eos_id
         if identity is None:
             identity = {"sequences": len(self.dataset), "tokens": self.dataset.num_tokens}
-            if manifest_path(self.dataset.prefix).is_file():
-                manifest = read_manifest(self.dataset.prefix)
-                identity = fingerprint_fields(manifest)
+            info = try_describe(self.dataset.prefix)  # the manifest's identity and EOS, when there is one
+            if info is not None:
+                identity = info.identity()
                 if self.eos_id is None:
-                    self.eos_id = manifest["tokenizer"].get("eos_id")
+                    self.eos_id = info.eos_id
         self.fingerprint = digest(
             {
                 "dataset": identity,

@@ -115,16 +115,15 @@ def resolve_grad_accum(train: TrainConfig, data_parallel: int) -> int:
 def tokenizer_vocab(cfg: Config) -> tuple[int | None, str]:
     """(vocabulary size, where it came from) of the run's tokenizer, or (None, reason) when none is readable.
 
-    Looks at data.tokenizer if the file exists, else the first dataset manifest present on this machine.
+    Looks at data.tokenizer if the file exists, else the first dataset described on this machine
+    (``llmtrain.data.describe``: its manifest).
     """
-    from llmtrain.data.manifest import manifest_path, read_manifest
-    from llmtrain.data.tokenizer import load_tokenizer
+    from llmtrain.data.describe import tokenizer_facts, try_describe
 
     if cfg.data.tokenizer and Path(cfg.data.tokenizer).is_file():
-        return load_tokenizer(cfg.data.tokenizer).vocab_size, f"data.tokenizer {cfg.data.tokenizer}"
+        return tokenizer_facts(cfg.data.tokenizer).vocab_size, f"data.tokenizer {cfg.data.tokenizer}"
     for i, spec in enumerate(cfg.data.datasets):
-        if spec.path and manifest_path(spec.path).is_file():
-            vocab = read_manifest(spec.path)["tokenizer"].get("vocab_size")
-            if isinstance(vocab, int):
-                return vocab, f"the manifest of data.datasets[{i}] {spec.path}"
+        info = try_describe(spec.path, cfg.data.tokenizer) if spec.path else None
+        if info is not None and isinstance(info.vocab_size, int):
+            return info.vocab_size, f"the manifest of data.datasets[{i}] {spec.path}"
     return None, "no tokenizer or dataset manifest found on this machine"

@@ -6,8 +6,10 @@ Order of the checks (the first failure is the one reported):
    adding a rule is one line and the message always names the key;
 2. data: dataset prefixes and the tokenizer. A dataset missing on this machine is an error only with
    ``require_data`` (``train``); ``check`` passes False and gets a warning, since seed paths are cluster paths.
-   All datasets must share one tokenizer (manifest sha256), equal to ``data.tokenizer`` when that is set, and
-   ``model.vocab_size`` must not be smaller than the tokenizer's vocabulary;
+   Each present dataset is described by ``llmtrain.data.describe`` (its manifest, or a plain Megatron
+   ``.bin/.idx`` read with ``data.tokenizer``; without either it is refused). All datasets must share one
+   tokenizer (sha256), equal to ``data.tokenizer`` when that is set, and ``model.vocab_size`` must not be
+   smaller than the tokenizer's vocabulary;
 3. arithmetic: ``resolve.derived.derive`` (parallel degrees vs world size, the batch identity, the model's own
    checks in ``resolve_model_args``);
 4. the parallel layout: :func:`llmtrain.feasibility.layout_problems` with the resolved model, the one place
@@ -15,7 +17,10 @@ Order of the checks (the first failure is the one reported):
    ``check``, ``train`` and ``plan --search`` agree. Its first fatal problem is raised with the same message;
    its warnings are returned. With ``stages``, every stage's config is checked the same way (message prefixed
    with the stage);
-5. advice: settings outside the layout that are legal but have no effect or look unintended become warnings.
+5. the data's bytes, last (it may read the files once): every present dataset (of ``data.datasets`` and of
+   the stages) is verified by ``llmtrain.data.verify`` (sha256 against the manifest, token ids against the
+   vocabulary), the same check the loader makes, so ``check`` refuses what ``train`` refuses;
+6. advice: settings outside the layout that are legal but have no effect or look unintended become warnings.
 """
 
 from __future__ import annotations
@@ -26,13 +31,16 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmtrain.config.loader import choice_error, literal_values
 from llmtrain.config.schema import Config
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.feasibility import layout_problems, raise_fatal
 from llmtrain.resolve.derived import Derived, derive
+
+if TYPE_CHECKING:
+    from llmtrain.data.describe import DatasetInfo
 
 # Allowed values are the schema's ``Literal`` field types (one source for the loader, this check and the docs);
 # run.device_target stays a string because the seed's spellings (Ascend, GPU, CPU) are mapped onto these.
@@ -91,21 +99,41 @@ def validate(cfg: Config, world_size: int = 1, require_data: bool = True) -> lis
 
 def check_config(cfg: Config, world_size: int = 1, require_data: bool = True) -> tuple[Derived, list[str]]:
     """:func:`validate` that also returns the Derived figures it computed (used by ``llmtrain check``)."""
+    from llmtrain.data.loader import parse_mixture
+
     _check_fields(cfg)
     warnings: list[str] = []
-    vocab = _check_data(cfg, require_data, warnings)
+    vocab, found = _check_data(cfg, require_data, warnings)
+    parse_mixture(cfg.data.mixture, len(cfg.data.datasets))  # what the loader will refuse
     derived = derive(cfg, world_size, vocab_size=vocab)
     warnings += raise_fatal(layout_problems(cfg, world_size, derived.model_args))
     if cfg.stages:
-        _check_stages(cfg, world_size, vocab, require_data)
+        found += _check_stages(cfg, world_size, vocab, require_data)
+    _verify_data(cfg, found)
     warnings += _advice(cfg)
     return derived, warnings
 
 
-def _check_stages(cfg: Config, world_size: int, vocab: int | None, require_data: bool) -> None:
-    """Every stage resolves (lengths, overrides, LR, mixture), its batch arithmetic and its layout rules pass."""
-    from llmtrain.data.manifest import manifest_path
+def _verify_data(cfg: Config, found: list[tuple[str, DatasetInfo]]) -> None:
+    """The loader's verification of every described dataset, once per prefix (``llmtrain.data.verify``)."""
+    from llmtrain.data.verify import verify_dataset
+
+    seen: set[str] = set()
+    for key, info in found:
+        if info.prefix not in seen:
+            seen.add(info.prefix)
+            verify_dataset(info, key if key.endswith(".path") else f"{key}.path", cfg.model.vocab_size)
+
+
+def _check_stages(
+    cfg: Config, world_size: int, vocab: int | None, require_data: bool
+) -> list[tuple[str, DatasetInfo]]:
+    """Every stage resolves (lengths, overrides, LR, mixture), its batch arithmetic and its layout rules pass;
+    returns the stages' datasets present on this machine, described."""
+    from llmtrain.data.describe import describe_dataset, missing_files
     from llmtrain.resolve.stages import resolve_stages
+
+    found: list[tuple[str, DatasetInfo]] = []
 
     for plan in resolve_stages(cfg)[1]:
         where = f"stages[{plan.index}] ({plan.name}): "
@@ -115,12 +143,25 @@ def _check_stages(cfg: Config, world_size: int, vocab: int | None, require_data:
             raise ConfigError(f"{where}{e}") from None
         raise_fatal(layout_problems(plan.cfg, world_size, d.model_args), prefix=where)
         for j, spec in enumerate(cfg.stages[plan.index].datasets):
-            if require_data and not manifest_path(spec.path).is_file():
+            key = f"stages[{plan.index}].datasets[{j}].path"
+            absent = missing_files(spec.path)
+            if absent and require_data:
                 raise ConfigError(
-                    f"stages[{plan.index}].datasets[{j}].path = '{spec.path}': no dataset at this prefix "
-                    f"({spec.path}.manifest.json is missing). Create it with `llmtrain prepare --output "
-                    f"{spec.path} ...` or fix the path."
+                    f"{key} = '{spec.path}': no dataset at this prefix ({', '.join(absent)} missing). Create "
+                    f"it with `llmtrain prepare --output {spec.path} ...` or fix the path."
                 )
+            if not absent and _readable(cfg, spec.path):
+                found.append((key, describe_dataset(spec.path, cfg.data.tokenizer, key)))
+    return found
+
+
+def _readable(cfg: Config, prefix: str) -> bool:
+    """Whether a present dataset can be described here: it has a manifest, or data.tokenizer is unset (then
+    ``describe_dataset`` refuses it, as train would) or on this machine (if not, its own check reports that)."""
+    from llmtrain.data.manifest import manifest_path
+
+    tok = cfg.data.tokenizer
+    return manifest_path(prefix).is_file() or not tok or Path(tok).is_file()
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -181,10 +222,12 @@ def _check_fields(cfg: Config) -> None:
             raise ConfigError(f"data.datasets[{i}].weight: expected a number > 0, got {spec.weight!r}.")
 
 
-def _check_data(cfg: Config, require_data: bool, warnings: list[str]) -> int | None:
-    """Check datasets and tokenizer; return the tokenizer's vocabulary size when known."""
-    from llmtrain.data.manifest import manifest_path, read_manifest
-    from llmtrain.data.tokenizer import load_tokenizer
+def _check_data(
+    cfg: Config, require_data: bool, warnings: list[str]
+) -> tuple[int | None, list[tuple[str, DatasetInfo]]]:
+    """Check datasets and tokenizer; return the tokenizer's vocabulary size when known, and the present
+    datasets (config key, description)."""
+    from llmtrain.data.describe import describe_dataset, missing_files, tokenizer_facts
 
     def missing(message: str) -> None:
         if require_data:
@@ -195,37 +238,37 @@ def _check_data(cfg: Config, require_data: bool, warnings: list[str]) -> int | N
         if require_data:
             raise ConfigError("data.datasets is empty: give at least one {path: PREFIX, weight: W} entry.")
         warnings.append("data.datasets is empty: `llmtrain train` needs at least one dataset.")
-    # (dataset key, tokenizer sha256, vocab, where) of every manifest found
-    found: list[tuple[str, str | None, int | None, str]] = []
+    found: list[tuple[str, DatasetInfo]] = []  # (dataset key, description) of every present dataset
     for i, spec in enumerate(cfg.data.datasets):
         key = f"data.datasets[{i}]"
-        files = [manifest_path(spec.path), Path(f"{spec.path}.bin"), Path(f"{spec.path}.idx")]
-        absent = [str(f) for f in files if not f.is_file()]
+        absent = missing_files(spec.path)
         if absent:
             missing(
                 f"{key}: dataset prefix {spec.path!r} is not on this machine (missing {', '.join(absent)})."
             )
-        if manifest_path(spec.path).is_file():
-            tok = read_manifest(spec.path).get("tokenizer") or {}
-            found.append((key, tok.get("sha256"), tok.get("vocab_size"), f"{key} ({spec.path})"))
-    for key, sha, _, _ in found[1:]:
-        if sha != found[0][1]:
+        elif _readable(cfg, spec.path):
+            found.append((key, describe_dataset(spec.path, cfg.data.tokenizer, f"{key}.path")))
+    where = {key: f"{key} ({info.prefix})" for key, info in found}
+    for key, info in found[1:]:
+        first_key, first = found[0]
+        if info.tokenizer_sha256 != first.tokenizer_sha256:
             raise ConfigError(
-                f"{key} was tokenized with a different tokenizer (sha256 {str(sha)[:12]}...) than "
-                f"{found[0][3]} (sha256 {str(found[0][1])[:12]}...); every dataset of a run must share one "
-                f"tokenizer. Re-prepare one of them with the other's tokenizer."
+                f"{key} was tokenized with a different tokenizer (sha256 {str(info.tokenizer_sha256)[:12]}...) "
+                f"than {where[first_key]} (sha256 {str(first.tokenizer_sha256)[:12]}...); every dataset of a run "
+                f"must share one tokenizer. Re-prepare one of them with the other's tokenizer."
             )
-    vocab, vocab_from = (found[0][2], found[0][3]) if found else (None, "")
+    vocab, vocab_from = (found[0][1].vocab_size, where[found[0][0]]) if found else (None, "")
     if cfg.data.tokenizer:
         if not Path(cfg.data.tokenizer).is_file():
             missing(f"data.tokenizer {cfg.data.tokenizer!r} does not exist on this machine.")
         else:
-            tokenizer = load_tokenizer(cfg.data.tokenizer)
-            if found and tokenizer.sha256 != found[0][1]:
+            tokenizer = tokenizer_facts(cfg.data.tokenizer)
+            if found and tokenizer.sha256 != found[0][1].tokenizer_sha256:
                 raise ConfigError(
                     f"data.tokenizer {cfg.data.tokenizer!r} (sha256 {tokenizer.sha256[:12]}...) is not the "
-                    f"tokenizer {found[0][3]} was prepared with (sha256 {str(found[0][1])[:12]}...): its token "
-                    f"ids would be misread. Remove data.tokenizer to use the dataset's own, or re-prepare."
+                    f"tokenizer {where[found[0][0]]} was prepared with (sha256 "
+                    f"{str(found[0][1].tokenizer_sha256)[:12]}...): its token ids would be misread. Remove "
+                    f"data.tokenizer to use the dataset's own, or re-prepare."
                 )
             vocab, vocab_from = tokenizer.vocab_size, f"data.tokenizer {cfg.data.tokenizer!r}"
     if vocab is not None and cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
@@ -234,7 +277,7 @@ def _check_data(cfg: Config, require_data: bool, warnings: list[str]) -> int | N
             f"{vocab_from}): token ids >= {cfg.model.vocab_size} would index past the embedding. Set "
             f"model.vocab_size >= {vocab} or remove it to take the tokenizer's."
         )
-    return vocab
+    return vocab, found
 
 
 def _advice(cfg: Config) -> list[str]:

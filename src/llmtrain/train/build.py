@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config.schema import Config
+from llmtrain.data.describe import DatasetInfo, describe_dataset
 from llmtrain.data.loader import BatchIterator, build_datasets
-from llmtrain.data.manifest import read_manifest
 from llmtrain.distributed.device import init_distributed, resolve_device
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.models import Transformer, build_model
@@ -93,15 +93,13 @@ def build_run(cfg: Config) -> RunParts:
 
     # Data first: the tokenizer fixes the vocabulary when the config leaves it open.
     train_samples, valid_samples = build_datasets(cfg)
-    manifest = read_manifest(cfg.data.datasets[0].path)
-    run = resolve_run(cfg, world_size, manifest["tokenizer"]["vocab_size"], len(train_samples))
+    data = describe_dataset(cfg.data.datasets[0].path, cfg.data.tokenizer, "data.datasets[0].path")
+    run = resolve_run(cfg, world_size, cast(int, data.vocab_size), len(train_samples))
     lock = RunLock(run_dir).acquire() if rank == 0 else None  # one live run per directory (train/rundir.py)
     try:
         if rank == 0:
             write_resolved_config(run.cfg, run_dir)
-        return _build_parts(
-            run, device, world_size, rank, run_dir, train_samples, valid_samples, manifest, lock
-        )
+        return _build_parts(run, device, world_size, rank, run_dir, train_samples, valid_samples, data, lock)
     except BaseException:  # nothing of this run will use the directory: free it
         if lock is not None:
             lock.release()
@@ -110,7 +108,7 @@ def build_run(cfg: Config) -> RunParts:
 
 def _build_parts(
     run: ResolvedRun, device: torch.device, world_size: int, rank: int, run_dir: Path, train_samples: Any,
-    valid_samples: Any, manifest: dict, lock: RunLock | None,
+    valid_samples: Any, data: DatasetInfo, lock: RunLock | None,
 ) -> RunParts:  # fmt: skip
     """The parts after the data and the resolved run (the module docstring's order, from the meshes on)."""
     cfg, d = run.cfg, run.derived
@@ -168,7 +166,7 @@ def _build_parts(
     checkpointer.fault_hook = faults.during_save
     return RunParts(
         run=run, device=device, world_size=world_size, rank=rank, run_dir=run_dir,
-        train_samples=train_samples, valid_samples=valid_samples, eos_id=manifest["tokenizer"]["eos_id"],
+        train_samples=train_samples, valid_samples=valid_samples, eos_id=cast(int, data.eos_id),
         dp_group=dp_group, dp_rank=dp_rank, dp_size=dims.dp, model=model, pipeline=pipeline, fsdp=fsdp,
         optimizer=optimizer, lr_at=lr_at, scaler=scaler, curriculum=curriculum, batches=batches,
         step_fn=step_fn, timer=timer, stragglers=stragglers, profiler=profiler, events=events,

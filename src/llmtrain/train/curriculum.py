@@ -36,6 +36,7 @@ class Curriculum:
     ):
         self.paths, self.plans = stages
         self.seed, self.valid_fraction = int(cfg.train.seed), float(cfg.data.valid_fraction)
+        self.tokenizer, self.vocab_size = cfg.data.tokenizer, cfg.model.vocab_size  # for Megatron datasets
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._sources: dict[int, list[TokenWindows]] = {}  # seq_length -> one source per path
         self._blends: dict[int, BlendedSamples] = {}
@@ -50,7 +51,15 @@ class Curriculum:
     def sources(self, seq_length: int) -> list[TokenWindows]:
         if seq_length not in self._sources:
             self._sources[seq_length] = [
-                open_source(p, f"dataset '{p}' of stages", seq_length, self.seed, self.valid_fraction)[0]
+                open_source(
+                    p,
+                    f"dataset '{p}' of stages",
+                    seq_length,
+                    self.seed,
+                    self.valid_fraction,
+                    self.tokenizer,
+                    self.vocab_size,
+                )[0]
                 for p in self.paths
             ]
         return self._sources[seq_length]

@@ -1,8 +1,9 @@
 """Sampling from a run: the newest checkpoint's model and tokenizer, and a prompt continued with them.
 
 :func:`load_for_generation` takes a run directory (holding config.yaml and checkpoints/) or one checkpoint
-directory inside it; the tokenizer is the copy stored next to the run's first dataset (``llmtrain generate``,
-``demo`` and ``export`` load models this way). :func:`sample_from_run` is ``llmtrain generate``: the prompt
+directory inside it; the tokenizer is the run's first dataset's: its copy next to the dataset, else
+``data.tokenizer`` (a Megatron dataset has no copy; ``llmtrain.data.describe`` decides). ``llmtrain generate``,
+``demo`` and ``export`` load models this way. :func:`sample_from_run` is ``llmtrain generate``: the prompt
 continued by :func:`llmtrain.generate.generate` (KV-cached decoding); the flags are in
 :mod:`llmtrain.commands.generate`.
 """
@@ -20,7 +21,7 @@ from llmtrain.errors import CheckpointError
 def load_for_generation(run_dir: str | Path):
     """(model, tokenizer, checkpoint path) for the newest checkpoint of ``run_dir``."""
     from llmtrain.config import load_config
-    from llmtrain.data.manifest import read_manifest, tokenizer_path
+    from llmtrain.data.describe import describe_dataset
     from llmtrain.data.tokenizer import load_tokenizer
     from llmtrain.models import build_model
     from llmtrain.resolve import derive
@@ -55,9 +56,9 @@ def load_for_generation(run_dir: str | Path):
                 f"{ckpt} fails verification: {reason}. Pass the run directory to use its newest valid checkpoint."
             )
     prefix = cfg.data.datasets[0].path
-    manifest = read_manifest(prefix)
-    tok = load_tokenizer(str(tokenizer_path(prefix)))
-    args = derive(cfg, world_size=1, vocab_size=manifest["tokenizer"]["vocab_size"]).model_args
+    data = describe_dataset(prefix, cfg.data.tokenizer, "data.datasets[0].path")
+    tok = load_tokenizer(str(data.tokenizer_path()))
+    args = derive(cfg, world_size=1, vocab_size=data.vocab_size).model_args
     model = build_model(args, device="meta")
     model.to_empty(device="cpu")
     model.init_weights(seed=0)

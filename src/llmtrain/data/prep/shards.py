@@ -31,7 +31,7 @@ import numpy as np
 
 from llmtrain import __version__
 from llmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
-from llmtrain.data.manifest import FORMAT, VERSION, manifest_path, read_manifest, write_json_atomic
+from llmtrain.data.manifest import FORMAT, VERSION, manifest_path, read_manifest, sealed, write_json_atomic
 from llmtrain.data.prep.dedup import DedupIndex
 from llmtrain.data.prep.pack import ConcatPacker, make_packer
 from llmtrain.data.tokenizer import sha256_file
@@ -225,6 +225,7 @@ def write_dataset(
             "created_by": f"llmtrain {__version__}",
         }
         tmp_report.write_text(format_report(output, manifest), encoding="utf-8")
+        manifest = sealed(manifest)
         write_json_atomic(tmp_manifest, manifest)
         _publish(output, finals, tmps, tmp_tok, tokenizer_entry["file"], tmp_report, tmp_manifest)
         return manifest

@@ -123,6 +123,14 @@ def data_files(ckpt_dir: str | Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- discovery
+def marker_matches(ckpt_dir: str | Path, step: int) -> bool:
+    """True when the marker holds what :func:`write_marker` wrote for ``step``."""
+    try:
+        return marker_file(ckpt_dir).read_text(encoding="ascii") == f"step {step}\n"
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def is_committed(ckpt_dir: str | Path) -> bool:
     """True when ``ckpt_dir`` carries the marker (it still has to verify to be resumed from)."""
     return marker_file(ckpt_dir).exists()

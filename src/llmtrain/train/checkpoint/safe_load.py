@@ -169,6 +169,8 @@ def content_problem(path: Path) -> str | None:
         return f"{state_file.name} is not an object with an integer step"
     if layout.is_step_dir(path) and step != layout.step_of(path):
         return f"{state_file.name} says step {step}, but the directory is step {layout.step_of(path)}"
+    if not layout.marker_matches(path, step):
+        return f"the {layout.MARKER} marker does not say step {step} (damaged)"
     for rng in sorted(path.glob("rng_rank*.json")):
         try:
             if not isinstance(json.loads(rng.read_text(encoding="utf-8")), dict):

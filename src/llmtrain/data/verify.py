@@ -1,0 +1,207 @@
+"""Verifying a dataset before training: its files are the bytes its manifest pins, its token ids fit the vocabulary.
+
+Choice (issue 14): **a full pass once, then a stamp.** The first time a dataset is used (``llmtrain check``,
+``train``, ``generate``...), every ``.bin`` and ``.idx`` of every shard is read once, sequentially: its sha256
+is compared with the manifest's, and the same pass takes the smallest and largest token id of each ``.bin``.
+When all is well, ``PREFIX.verified.json`` is written next to the dataset (atomically; it is llmtrain's own
+file, and a file of that name that llmtrain did not write is never overwritten)::
+
+    {"format": "llmtrain.verified", "version": 1,
+     "files": {"NAME.bin": {"bytes", "mtime_ns", "sha256", "min_id", "max_id"}, "NAME.idx": {...}}, ...}
+
+A later start trusts a file whose size and ``mtime_ns`` equal the stamp's (and whose manifest sha256 equals the
+stamp's): one ``stat`` per file, no read. Any other file is hashed again. Results are also memoised in the
+process, so ``train`` (which validates, then builds the loader) hashes at most once even where the stamp cannot
+be written (a read-only dataset folder: there the full pass runs on every start). Cost: one read of the data at
+disk speed, sha256 about 1-2 GB/s per core, so ~1 s per GB once; datasets are never hashed on every start.
+
+What is caught, before the first step: any change made through the filesystem to a ``.bin`` or ``.idx`` of a
+manifest dataset, same size or not (a flipped byte anywhere), since writing a file moves its ``mtime_ns``; a
+token id outside ``[0, vocab_size)`` of the tokenizer (``model.vocab_size`` when the manifest records none),
+which would otherwise end in an IndexError deep in the embedding. What is not caught: a change after the
+stamp that keeps both size and ``mtime_ns`` (``touch -d`` back to the old time, or corruption below the
+filesystem: bit rot, a bad disk); a change while a run is going (the files are memory-mapped at the start). A
+Megatron dataset has no manifest, so no reference checksum: its pass cannot tell a damaged file from a
+regenerated one. Its sha256 is still recorded (stamped) and enters the run's data fingerprint, so resuming a
+run on changed Megatron data is refused like resuming on a changed manifest dataset; its ids are bound-checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llmtrain.data.describe import DatasetInfo
+from llmtrain.data.indexed import bin_path, idx_path
+from llmtrain.data.manifest import write_json_atomic
+from llmtrain.data.tokenizer import sha256_file
+from llmtrain.errors import DataError
+
+STAMP_FORMAT = "llmtrain.verified"
+STAMP_VERSION = 1
+CHUNK_BYTES = 1 << 23  # 8 MiB per read: a multiple of every token size
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    """One verified file: its size, mtime and sha256 when verified, and for a ``.bin`` its id range."""
+
+    bytes: int
+    mtime_ns: int
+    sha256: str
+    min_id: int | None = None
+    max_id: int | None = None
+
+
+_MEMO: dict[tuple[str, int, int, str], FileCheck] = {}  # (resolved path, size, mtime_ns, dtype) -> check
+
+
+def stamp_path(prefix: str) -> Path:
+    """``PREFIX.verified.json``."""
+    return Path(f"{prefix}.verified.json")
+
+
+def verify_dataset(info: DatasetInfo, where: str, vocab_size: int | None = None) -> dict[str, str]:
+    """Verify every file of dataset ``info`` (``where``: its config key); ``{file name: sha256}``.
+
+    DataError naming the file when a sha256 differs from the manifest's, naming the dataset, the id and the
+    vocabulary when a token id is out of range. ``vocab_size`` bounds the ids when the description has none."""
+    folder = Path(info.prefix).parent
+    stamp, writable = _read_stamp(info.prefix)
+    checks: dict[str, FileCheck] = {}
+    for shard, entry in info.shards:
+        files = (entry or {}).get("files") or {}
+        for kind, path in (("bin", bin_path(shard)), ("idx", idx_path(shard))):
+            expected = (files.get(kind) or {}).get("sha256")
+            name = os.path.relpath(path, folder)
+            checks[name] = _check_file(path, kind == "bin", info, expected, stamp.get(name), where)
+    limit = info.vocab_size if info.vocab_size is not None else vocab_size
+    for name, c in checks.items():
+        if limit is None or c.max_id is None or c.min_id is None:
+            continue
+        if c.max_id >= limit or c.min_id < 0:
+            bad = c.max_id if c.max_id >= limit else c.min_id
+            raise DataError(
+                f"{where} = '{info.prefix}': token id {bad} in '{folder / name}' is outside the vocabulary of "
+                f"{limit} tokens (valid ids 0..{limit - 1}; the file's ids span {c.min_id}..{c.max_id}). The "
+                f"dataset was made with another tokenizer than "
+                f"{'data.tokenizer' if info.manifest is None else 'its manifest records'}: set data.tokenizer to "
+                f"the tokenizer it was made with, or prepare it again."
+            )
+    _check_tokenizer_copy(info, where)
+    fresh = {n: c for n, c in checks.items() if stamp.get(n) != _record(c)}
+    if fresh and writable:
+        _write_stamp(info.prefix, checks)
+    return {n: c.sha256 for n, c in checks.items()}
+
+
+def _check_tokenizer_copy(info: DatasetInfo, where: str) -> None:
+    """The manifest's tokenizer copy (what ``generate`` and ``export`` decode with) still has its sha256: a small
+    file, hashed on every use."""
+    if info.manifest is None or not info.tokenizer_file or not info.tokenizer_sha256:
+        return
+    path = Path(info.tokenizer_file)
+    if path.is_file() and sha256_file(path) != info.tokenizer_sha256:
+        raise DataError(
+            f"{where} = '{info.prefix}': the tokenizer copy '{path}' does not match the sha256 its manifest "
+            "records (damaged or replaced); restore it from the tokenizer the dataset was made with, or prepare "
+            "the dataset again."
+        )
+
+
+def _check_file(
+    path: Path, is_bin: bool, info: DatasetInfo, expected: str | None, stamped: dict | None, where: str
+) -> FileCheck:
+    """The check of one file: from the stamp when its size and mtime still match, else from one full read."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise DataError(f"{where} = '{info.prefix}': cannot read '{path}' ({e}).") from None
+    if stamped is not None:
+        try:
+            cached = FileCheck(**stamped)
+        except TypeError:  # a stamp entry of another shape: verify again
+            cached = None
+        if (
+            cached is not None
+            and (cached.bytes, cached.mtime_ns) == (st.st_size, st.st_mtime_ns)
+            and (expected is None or cached.sha256 == expected)
+            and (not is_bin or cached.max_id is not None or st.st_size == 0)
+        ):
+            return cached
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, info.dtype.name if is_bin else "")
+    check = _MEMO.get(key) or _full_pass(path, info.dtype if is_bin else None, st, where, info.prefix)
+    if expected is not None and check.sha256 != expected:
+        raise DataError(
+            f"{where} = '{info.prefix}': the file '{path}' does not match its manifest: its sha256 is "
+            f"{check.sha256[:16]}..., {info.prefix}.manifest.json says {expected[:16]}... ({st.st_size} bytes). "
+            f"The file was changed or damaged after `llmtrain prepare` wrote it; restore it or run prepare again."
+        )
+    _MEMO[key] = check
+    return check
+
+
+def _full_pass(path: Path, dtype: np.dtype | None, st: os.stat_result, where: str, prefix: str) -> FileCheck:
+    """sha256 of ``path`` and, for a ``.bin`` (``dtype`` given), its smallest and largest token id: one read."""
+    if dtype is not None and st.st_size % dtype.itemsize:
+        raise DataError(
+            f"{where} = '{prefix}': '{path}' has {st.st_size} bytes, not a whole number of {dtype.name} tokens "
+            f"(the dtype of its index): it is truncated or not this dataset's token file."
+        )
+    h = hashlib.sha256()
+    lo: int | None = None
+    hi: int | None = None
+    buf = bytearray(CHUNK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            if dtype is not None and n:
+                ids = np.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize)
+                a, b = int(ids.min()), int(ids.max())
+                lo, hi = (a, b) if lo is None or hi is None else (min(lo, a), max(hi, b))
+    return FileCheck(st.st_size, st.st_mtime_ns, h.hexdigest(), lo, hi)
+
+
+def _record(c: FileCheck) -> dict:
+    return dataclasses.asdict(c)
+
+
+def _read_stamp(prefix: str) -> tuple[dict[str, dict], bool]:
+    """(the stamp's file records, whether llmtrain may write the stamp); a foreign file of that name is left
+    alone and not trusted."""
+    path = stamp_path(prefix)
+    if not path.exists():
+        return {}, True
+    try:
+        stamp = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}, False
+    if not isinstance(stamp, dict) or stamp.get("format") != STAMP_FORMAT:
+        return {}, False
+    files = stamp.get("files") if stamp.get("version") == STAMP_VERSION else None
+    return ({k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}), True
+
+
+def _write_stamp(prefix: str, checks: dict[str, FileCheck]) -> None:
+    """Write ``PREFIX.verified.json`` through a temporary file; a folder that refuses writes is no error."""
+    from llmtrain import __version__
+
+    stamp = {
+        "format": STAMP_FORMAT,
+        "version": STAMP_VERSION,
+        "about": "written by llmtrain after it read these files in full (llmtrain.data.verify); delete it to "
+        "verify again",
+        "files": {name: _record(c) for name, c in sorted(checks.items())},
+        "created_by": f"llmtrain {__version__}",
+    }
+    try:
+        write_json_atomic(stamp_path(prefix), stamp)
+    except OSError:
+        pass  # read-only dataset folder: verified again on the next start (memoised within this process)
