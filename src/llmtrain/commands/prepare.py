@@ -4,6 +4,7 @@
         [--config RUN.yaml] [--clean] [--filter] [--dedup none|exact|near] [--pack concat|bestfit]
         [--seq-length T] [--num-shards N] [--workers N] [--on-error raise|skip] [--rejects FILE]
         [--partition I/N] [--text-key text] [--eos-token TOKEN] [--max-documents N] [--overwrite]
+        [--mindrecord-field input_ids]
 
 The flags, merged over the ``data.prepare`` section of ``--config`` (a flag given wins), become the arguments
 of :func:`llmtrain.data.prep.prepare.prepare`, which does the work (stages, resume, partitions: see there).
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         required=True,
         metavar="PATH",
-        help="jsonl/txt/parquet files (.gz/.zst), globs, dirs",
+        help="jsonl/txt/parquet files (.gz/.zst), globs, dirs; or a MindRecord dataset (NAME.mindrecord, NAME0)",
     )
     a(
         "--output",
@@ -65,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="process partition I of N (0-based); join them with `llmtrain merge`",
     )
     a("--overwrite", action="store_true", help="replace an existing dataset made with another tokenizer")
+    a(
+        "--mindrecord-field",
+        metavar="NAME",
+        help="MindRecord input: the field of token ids, one pre-packed sample per row (default: input_ids)",
+    )
 
 
 FLAG_OPTIONS = ("text_key", "clean", "mojibake", "filter", "dedup", "pack", "seq_length", "num_shards",
@@ -95,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
         options=options_from(section),
         partition=parse_partition(args.partition) if args.partition else None,
         overwrite=args.overwrite,
+        mindrecord_field=args.mindrecord_field,
     )
     return 0
 

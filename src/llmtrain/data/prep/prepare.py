@@ -26,6 +26,10 @@ removes the work folder and leaves any previous dataset at PREFIX untouched; ``-
 ``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions in
 order, removing duplicates across partitions (phase 2 of the two-phase dedup), and packs and shards them.
 
+A MindRecord input (``NAME.mindrecord`` or ``NAME0``: MindSpore token rows, every shard of the dataset) skips
+all text stages: ``mindrecord`` reads its rows (``--mindrecord-field``, default ``input_ids``) and writes each
+as one pre-packed sample.
+
 This module is the command's algorithm: :func:`prepare` (the :class:`~llmtrain.data.prep.job.PrepareJob` it
 makes, the resume check against an existing output, and the final write); the flags are in
 :mod:`llmtrain.commands.prepare`. The job and its counters are in ``job``, the document loop (chunks, worker
@@ -46,6 +50,7 @@ from pathlib import Path
 from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.manifest import manifest_path, read_manifest, tokenizer_copy_name, write_json_atomic
 from llmtrain.data.prep.job import Partition, PrepareJob, stage_report
+from llmtrain.data.prep.mindrecord import DEFAULT_FIELD, ShardHeader, check_request, convert, find_inputs
 from llmtrain.data.prep.outputs import check_outputs
 from llmtrain.data.prep.parts import collect_rejects, run_parts, start_pool
 from llmtrain.data.prep.pipeline import PrepareOptions, cached_tokenizer, options_from
@@ -54,7 +59,7 @@ from llmtrain.data.prep.shards import iter_part_batches, write_dataset
 from llmtrain.data.prep.tokenizer_training import TRAINED_EOS, train_on_documents
 from llmtrain.data.samples import digest
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
-from llmtrain.errors import DataError
+from llmtrain.errors import ConfigError, DataError
 
 
 def prepare(
@@ -70,12 +75,25 @@ def prepare(
     options: PrepareOptions | dict | None = None,
     partition: tuple[int, int] | None = None,
     overwrite: bool = False,
+    mindrecord_field: str | None = None,
 ) -> dict:
     """Turn ``inputs`` into the dataset ``output`` (a prefix); returns its manifest (or, with ``partition``, the
-    partition's summary). See the module docstring for the stages, resume and partitions."""
+    partition's summary). See the module docstring for the stages, resume and partitions. MindRecord inputs
+    (token rows, ``mindrecord_field`` naming the field) are converted by :func:`_prepare_mindrecord`."""
     opts = options_from(options)
     if text_key is not None:
         opts = dataclasses.replace(opts, text_key=text_key)
+    shards = find_inputs([str(i) for i in inputs])
+    if shards is not None:
+        return _prepare_mindrecord(
+            shards, str(output), opts, tokenizer, train_tokenizer, eos_token, max_documents, partition,
+            overwrite, mindrecord_field or DEFAULT_FIELD, log,
+        )  # fmt: skip
+    if mindrecord_field is not None:
+        raise ConfigError(
+            f"--mindrecord-field {mindrecord_field!r} applies to MindRecord inputs only, and none of the inputs "
+            f"({', '.join(map(str, inputs))}) is a MindRecord file."
+        )
     job = PrepareJob(
         inputs=tuple(str(i) for i in inputs),
         output=str(output),
@@ -170,6 +188,33 @@ def _prepare(job: PrepareJob, pool: Pool | None) -> dict:
         f"report: {output}.report.txt"
     )
     return manifest
+
+
+def _prepare_mindrecord(
+    shards: list[ShardHeader],
+    output: str,
+    opts: PrepareOptions,
+    tokenizer: str | None,
+    train_tokenizer: int | None,
+    eos_token: str | None,
+    max_documents: int | None,
+    partition: tuple[int, int] | None,
+    overwrite: bool,
+    field: str,
+    log: Callable[[str], None] | None,
+) -> dict:
+    """``prepare`` of MindRecord ``shards``: their token rows as pre-packed samples (see ``mindrecord``)."""
+    check_request(opts, train_tokenizer, partition)
+    if tokenizer is None:
+        raise DataError(
+            f"MindRecord input '{shards[0].path}' holds token ids: pass the tokenizer they were made with as "
+            f"--tokenizer FILE (tokenizer.json or .model)."
+        )
+    if max_documents is not None and max_documents < 1:
+        raise DataError(f"--max-documents must be at least 1, got {max_documents}.")
+    check_outputs(output, [h.path for h in shards], None)  # before anything is written
+    tok = cached_tokenizer(tokenizer, eos_token)
+    return convert(shards, output, tok, _tok_entry(tok, output), field, opts, max_documents, overwrite, log)
 
 
 def _tok_entry(tok: Tokenizer, output: str) -> dict:

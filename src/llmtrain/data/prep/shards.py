@@ -218,7 +218,7 @@ def write_dataset(
             "tokens": sum(s["tokens"] for s in shards),
             "files": shards[0]["files"] if num_shards == 1 else {},
             "shards": shards,
-            "packing": {"mode": pack, "seq_length": seq_length},
+            "packing": {"mode": pack, "seq_length": seq_length, **extra.get("packing", {})},
             "inputs": extra.get("inputs", []),
             "prepare": extra.get("prepare", {}),
             "report": report,
