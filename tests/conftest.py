@@ -27,3 +27,21 @@ def tiny_corpus(tmp_path_factory) -> str:
     prefix = tmp_path_factory.mktemp("corpus") / "tiny"
     prepare(files, str(prefix), train_tokenizer=512, log=None)
     return str(prefix)
+
+
+def tiny_config(prefix: str, out: Path | str, **sections: dict) -> dict:
+    """The tiny 2-step run config of the command tests (debug llama, 32 tokens, one save at the end) on dataset
+    ``prefix`` into ``out``; ``sections`` update its sections key by key (``checkpoint={"save_steps": 1}``)."""
+    cfg = {
+        "model": {"model_type": "llama3", "flavor": "debug", "seq_length": 32},
+        "train": {"batch_size": 4, "micro_batch_size": 2, "max_steps": 2, "lr": 1e-3, "warmup_steps": 0,
+                  "log_steps": 1, "eval_steps": 0},
+        "data": {"datasets": [{"path": str(prefix), "weight": 1.0}], "valid_fraction": 0.1},
+        "checkpoint": {"save_steps": 0, "save_at_end": True, "resume": "auto"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "eval": {"at_start": False, "eval_iters": 1},
+        "run": {"device_target": "cpu", "output_dir": str(out), "threads": 1},
+    }  # fmt: skip
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return cfg

@@ -8,6 +8,7 @@ at steps 1 and 2) is made once and copied into each test.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -23,22 +24,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import tiny_config
 from llmtrain.cli import main as cli
 
 STEP1, STEP2 = "checkpoints/step_00000001", "checkpoints/step_00000002"
 
 
+SAVE_EVERY_STEP = {"checkpoint": {"save_steps": 1, "keep_checkpoint_max": 3}}
+
+
 def _cfg(prefix: str, out: Path) -> dict:
-    return {
-        "model": {"model_type": "llama3", "flavor": "debug", "seq_length": 32},
-        "train": {"batch_size": 4, "micro_batch_size": 2, "max_steps": 2, "lr": 1e-3, "warmup_steps": 0,
-                  "log_steps": 1, "eval_steps": 0},
-        "data": {"datasets": [{"path": prefix, "weight": 1.0}], "valid_fraction": 0.1},
-        "checkpoint": {"save_steps": 1, "save_at_end": True, "resume": "auto", "keep_checkpoint_max": 3},
-        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-        "eval": {"at_start": False, "eval_iters": 1},
-        "run": {"device_target": "cpu", "output_dir": str(out), "threads": 1},
-    }  # fmt: skip
+    return tiny_config(prefix, out, **SAVE_EVERY_STEP)
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +168,7 @@ def test_trainer_state_of_another_step_is_not_resumed(run, tmp_path, capfd):
     state["step"] = 1
     (run / STEP2 / "trainer_state.json").write_text(json.dumps(state))
     reseal(run / STEP2, "trainer_state.json")
-    cfg = write_cfg(
-        tmp_path, {**_cfg(_dataset(run), run), "train": {**_cfg("", run)["train"], "max_steps": 3}}
-    )
+    cfg = write_cfg(tmp_path, tiny_config(_dataset(run), run, train={"max_steps": 3}, **SAVE_EVERY_STEP))
     code, out, _ = call(capfd, "train", cfg)
     assert code == 0 and "says step 1, but the directory is step 2" in out
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
@@ -197,9 +191,7 @@ def test_damaged_small_files_fall_back_to_the_previous_checkpoint(
 ):
     (run / STEP2 / name).write_text(content)
     reseal(run / STEP2, name)
-    cfg = write_cfg(
-        tmp_path, {**_cfg(_dataset(run), run), "train": {**_cfg("", run)["train"], "max_steps": 3}}
-    )
+    cfg = write_cfg(tmp_path, tiny_config(_dataset(run), run, train={"max_steps": 3}, **SAVE_EVERY_STEP))
     code, out, _ = call(capfd, "train", cfg)
     assert code == 0 and needle in out and "falling back" in out
     assert (run / "checkpoints/step_00000003/COMMITTED").exists()
@@ -221,9 +213,7 @@ def test_malicious_data_file_is_refused_without_unpickling(run, tmp_path, capfd)
     reseal(run / STEP2, "__0_0.distcp")
     code, _, err = call(capfd, "generate", run / STEP2, "--prompt", "def", "--max-new-tokens", "2")
     assert code == 2 and "reading its tensors failed" in err and "weights_only" not in err
-    cfg = write_cfg(
-        tmp_path, {**_cfg(_dataset(run), run), "train": {**_cfg("", run)["train"], "max_steps": 3}}
-    )
+    cfg = write_cfg(tmp_path, tiny_config(_dataset(run), run, train={"max_steps": 3}, **SAVE_EVERY_STEP))
     code, out, err = call(capfd, "train", cfg)
     assert code == 0 and "step_00000002 skipped" in out and "weights_only" not in out + err
     assert not (tmp_path / "PWNED").exists()
@@ -299,7 +289,11 @@ def test_prepare_config_that_does_not_exist(tmp_path, capfd):
 @pytest.mark.parametrize(
     "layout, overrides, needle",
     [
-        ({"afile": "x"}, ["run.output_dir=afile"], "afile: File exists"),
+        (
+            {"afile": "x"},
+            ["run.output_dir=afile"],
+            "afile: File exists (it is a file where a directory is needed",
+        ),
         ({"r/checkpoints": "x"}, ["run.output_dir=r"], "r/checkpoints"),
         ({"r/tb": "x"}, ["run.output_dir=r", "checkpoint.save_dir=r/tb/x"], "Not a directory"),
         ({"r/tensorboard": "x"}, ["run.output_dir=r", "logging.tensorboard=true"], "r/tensorboard"),
@@ -356,42 +350,38 @@ def test_checkpoint_write_refused_by_the_filesystem(tmp_path, tiny_corpus):
     assert not list((tmp_path / "r/checkpoints").glob("*.tmp"))
 
 
-def test_full_disk_is_named(tmp_path, tiny_corpus):
-    """The same on a real full filesystem (a 600 KB tmpfs; needs permission to mount, else skipped)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a small tmpfs here")
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A small tmpfs mounted at ``path`` for the test (skipped where mounting is not allowed)."""
+    path.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here")
     try:
-        cfg = write_cfg(tmp_path, _cfg(tiny_corpus, disk / "r"))
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_full_disk_is_named(tmp_path, tiny_corpus):
+    """The same on a real full filesystem (a 600 KB tmpfs)."""
+    with tmpfs(tmp_path / "disk", "size=600k") as disk:
+        cfg = write_cfg(tmp_path, tiny_config(tiny_corpus, disk / "r", **SAVE_EVERY_STEP))
         p = subprocess.run([sys.executable, "-m", "llmtrain", "train", str(cfg)], capture_output=True, text=True,
                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
         assert f"the disk holding {disk}/r/checkpoints is full" in p.stderr
         assert not list((disk / "r/checkpoints").glob("*.tmp"))
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
 
 
 def test_read_only_filesystem_is_named(tmp_path, tiny_corpus, capfd):
-    """run.output_dir on a read-only filesystem (a read-only tmpfs; needs permission to mount, else skipped: as
-    root, chmod cannot make a folder read-only)."""
-    disk = tmp_path / "ro"
-    disk.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a read-only tmpfs here")
-    try:
-        cfg = write_cfg(tmp_path, _cfg(tiny_corpus, disk / "r"))
+    """run.output_dir on a read-only filesystem (as root, chmod cannot make a folder read-only: a tmpfs can)."""
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as disk:
+        cfg = write_cfg(tmp_path, tiny_config(tiny_corpus, disk / "r", **SAVE_EVERY_STEP))
         code, _, err = call(capfd, "train", cfg)
         assert (
             code == 2 and f"{disk}/r" in err and "Read-only file system" in err and "choose a writable" in err
         )
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
 
 
 # ---------------------------------------------------------------- messages that name the right culprit

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import tiny_config
 from llmtrain.cli import main as cli
 from llmtrain.train.checkpoint import verify_checkpoint
 
@@ -34,16 +35,7 @@ SEED = 1234
 
 
 def _cfg(prefix: str, out: Path) -> dict:
-    return {
-        "model": {"model_type": "llama3", "flavor": "debug", "seq_length": 32},
-        "train": {"batch_size": 4, "micro_batch_size": 2, "max_steps": 2, "lr": 1e-3, "warmup_steps": 0,
-                  "log_steps": 1, "eval_steps": 0},
-        "data": {"datasets": [{"path": prefix, "weight": 1.0}], "valid_fraction": 0.1},
-        "checkpoint": {"save_steps": 1, "save_at_end": True, "resume": "auto", "keep_checkpoint_max": 3},
-        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-        "eval": {"at_start": False, "eval_iters": 1},
-        "run": {"device_target": "cpu", "output_dir": str(out), "threads": 1},
-    }  # fmt: skip
+    return tiny_config(prefix, out, checkpoint={"save_steps": 1, "keep_checkpoint_max": 3})
 
 
 def _leaves(d: dict, prefix: tuple = ()) -> list[tuple]:

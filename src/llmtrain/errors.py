@@ -8,6 +8,7 @@ without a traceback and exits with code 2.
 from __future__ import annotations
 
 import errno
+import os
 
 # Exit codes of `llmtrain train` / `launch` besides an error's own (docs/reliability.md, "Ending a run").
 PREEMPTED_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: stopped on a signal, saved; the same command resumes
@@ -57,6 +58,8 @@ def os_error_text(e: OSError) -> str:
     paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None) or "a file"
     said = e.strerror or str(e)
     hint = _OS_HINTS.get(e.errno or -1)
+    if e.errno == errno.EEXIST and e.filename is not None and os.path.isfile(e.filename):
+        hint = "it is a file where a directory is needed: remove it or choose another path"
     return f"{paths}: {said}" + (f" ({hint})." if hint and hint != said.lower() else ".")
 
 
