@@ -5,6 +5,7 @@ The path of a config through this module::
     YAML file --safe_load (duplicate keys rejected)--> raw dict
       --mindformers.adapt--> native dict (+ notes: keys mapped, reinterpreted, ignored)
       --apply_overrides(["train.lr=1e-3", ...])--> native dict
+      --mindformers.finish--> native dict (a MindFormers run length / warmup that depends on the overrides)
       --config_from_dict (strict: unknown keys, wrong types)--> Config
 
 ``config_from_dict`` walks the dataclass fields with their type hints and coerces each value; the coercion is
@@ -45,6 +46,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Config
         )
     native, notes = mindformers.adapt(raw, source=str(path))
     native = apply_overrides(native, overrides)
+    notes += mindformers.finish(native, source=str(path))  # MindFormers figures that depend on overrides
     given = {item.partition("=")[0].strip(): item for item in overrides}
     return config_from_dict(native, source=_Source(str(path), given)), notes
 

@@ -1,19 +1,18 @@
-"""Adapter for MindSpore / MindFormers config spellings, run before the strict native parse.
+"""The MindFormers *flat* layout of the seed documents, and MindSpore-only keys in the native layout.
 
-Two kinds of input reach it (see the seed documents):
+Two kinds of input reach this module (see the seed documents):
 
 * the **MindFormers flat layout** (``run_mode``, ``model_size``, ``model_config{}``, ``parallel_config{}``,
-  ``optimizer{lr_scheduler{}}``, ``train_config{}``, ``train_dataset_dir``...). :func:`is_mindformers_layout`
+  ``optimizer{lr_scheduler{}}``, ``train_config{}``, ``train_dataset_dir``...). :func:`is_flat_layout`
   detects it and :func:`from_mindformers` maps every key onto our native sections through the tables below:
   plain renames are data (``_RENAMES``), keys whose meaning changes have a small handler each. A key with no
   entry is an error naming it (with the closest known key), never silently dropped.
 * our **native layout with MindSpore-only keys** (``run.mode``, ``run.device_target: Ascend``,
   ``run.enable_graph_kernel``, ``run.graph_kernel_flags``, ``parallel.micro_batch_interleave``), handled by
-  :func:`normalize_mindspore_keys` for both layouts.
+  :func:`normalize_mindspore_keys` for every layout.
 
-Every key that is renamed, reinterpreted or ignored produces one human-readable note; ``load_config`` returns
-them and ``llmtrain check`` prints them. Overrides from the command line are applied after this step, in native
-names.
+The real MindFormers 1.x / 2.x layout (``model.model_config``, ``runner_config``, ``context``...) is
+``structured.py``'s. Every key that is renamed, reinterpreted or ignored produces one human-readable note.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import copy
 import difflib
 from typing import Any
 
+from llmtrain.config.mindformers.common import DEVICE_TARGETS, compile_from_mode, lookup, put
 from llmtrain.errors import ConfigError
 
 # Top-level keys that only the MindFormers layout has; any one of them selects the adapter.
@@ -109,20 +109,9 @@ _LR_SCHEDULERS = {
 }  # fmt: skip
 _OPTIMIZERS = {"adamw": "adamw", "fusedadamweightdecay": "adamw", "fp32adamw": "adamw"}
 _SECTIONS = ("model_config", "parallel_config", "optimizer", "train_config")
-_DEVICE_TARGETS = {"ascend": "npu", "gpu": "cuda", "cpu": "cpu"}
 
 
-def adapt(raw: dict, source: str) -> tuple[dict, list[str]]:
-    """Native dict and notes for a raw YAML mapping of either layout."""
-    if is_mindformers_layout(raw):
-        native, notes = from_mindformers(raw, source)
-    else:
-        native, notes = copy.deepcopy(raw), []
-    notes += normalize_mindspore_keys(native, source)
-    return native, notes
-
-
-def is_mindformers_layout(raw: dict) -> bool:
+def is_flat_layout(raw: dict) -> bool:
     """True for the MindFormers flat layout (run_mode, model_config{}, parallel_config{}, ...)."""
     return bool(_MARKERS & set(raw)) or isinstance(raw.get("optimizer"), dict)
 
@@ -159,14 +148,14 @@ def _map_key(
     name = f"{section}.{key}" if section else key
     if (section, key) in _RENAMES:
         target = _RENAMES[(section, key)]
-        _put(out, target, value)
+        put(out, target, value)
         renamed.append(f"{name} -> {target}")
     elif (section, key) in _IGNORED:
         notes.append(f"{name}: {value!r} ignored: {_IGNORED[(section, key)]}.")
     elif section == "" and key in _HANDLERS:
         _HANDLERS[key](value, out, notes, source)
     elif section == "optimizer" and key == "type":
-        _put(out, "train.optimizer", _lookup(_OPTIMIZERS, value, "optimizer.type", source))
+        put(out, "train.optimizer", lookup(_OPTIMIZERS, value, "optimizer.type", source))
         notes.append(f"optimizer.type: {value!r} -> train.optimizer {out['train']['optimizer']!r}.")
     elif section in ("", "optimizer") and key in ("lr_scheduler", "lr_schedule"):
         _map_lr_scheduler(name, value, out, notes, renamed, source)
@@ -174,7 +163,7 @@ def _map_key(
         _map_rope_scaling(value, out, notes)
     elif section == "train_config" and key == "dynamic_loss_scale":
         scale = "dynamic" if value is True else 1.0
-        _put(out, "train.loss_scale", scale)
+        put(out, "train.loss_scale", scale)
         notes.append(
             f"train_config.dynamic_loss_scale: {value!r} -> train.loss_scale {scale!r} (used only with "
             "train.precision fp16)."
@@ -204,12 +193,12 @@ def _map_lr_scheduler(name: str, value: Any, out: dict, notes: list[str], rename
         raise ConfigError(f"{source}: {name}: expected a mapping like {{type: CosineAnnealingLR, T_max: N}}.")
     for key, sub_value in value.items():
         if key == "type":
-            style = _lookup(_LR_SCHEDULERS, sub_value, f"{name}.type", source)
-            _put(out, "train.decay_style", style)
+            style = lookup(_LR_SCHEDULERS, sub_value, f"{name}.type", source)
+            put(out, "train.decay_style", style)
             notes.append(f"{name}.type: {sub_value!r} -> train.decay_style {style!r}.")
         elif ("lr_scheduler", key) in _RENAMES:
             target = _RENAMES[("lr_scheduler", key)]
-            _put(out, target, sub_value)
+            put(out, target, sub_value)
             renamed.append(f"{name}.{key} -> {target}")
         else:
             known = sorted({k for s, k in _RENAMES if s == "lr_scheduler"} | {"type"})
@@ -224,7 +213,7 @@ def _map_lr_scheduler(name: str, value: Any, out: dict, notes: list[str], rename
 def _map_rope_scaling(value: Any, out: dict, notes: list[str]) -> None:
     # model.rope_scaling None would mean "the flavor's default" (Llama 3.1 scaling for llama3 flavors), so
     # "no scaling" is written explicitly as the identity: a linear factor of 1.
-    _put(out, "model.rope_scaling", 1.0 if value is None else value)
+    put(out, "model.rope_scaling", 1.0 if value is None else value)
     if value is None or (isinstance(value, int | float) and not isinstance(value, bool) and value == 1):
         notes.append(
             f"model_config.rope_scaling: {value!r} -> model.rope_scaling 1.0: no RoPE scaling (linear factor 1, "
@@ -247,12 +236,12 @@ def _run_mode(value: Any, out: dict, notes: list[str], source: str) -> None:
 
 def _model_size(value: Any, out: dict, notes: list[str], source: str) -> None:
     flavor = str(value).lower()
-    _put(out, "model.flavor", flavor)
+    put(out, "model.flavor", flavor)
     notes.append(f"model_size: {value!r} -> model.flavor {flavor!r} (the family's named size).")
 
 
 def _batch_size(value: Any, out: dict, notes: list[str], source: str) -> None:
-    _put(out, "train.batch_size", value)
+    put(out, "train.batch_size", value)
     notes.append(
         f"batch_size: {value!r} -> train.batch_size, read as the global batch in sequences "
         "(= micro_batch_size x data-parallel size x gradient accumulation)."
@@ -260,14 +249,14 @@ def _batch_size(value: Any, out: dict, notes: list[str], source: str) -> None:
 
 
 def _epochs(value: Any, out: dict, notes: list[str], source: str) -> None:
-    _put(out, "train.epochs", value)
+    put(out, "train.epochs", value)
     notes.append(
         f"num_train_epochs: {value!r} -> train.epochs (caps training; train.max_steps still applies)."
     )
 
 
 def _dataset_dir(value: Any, out: dict, notes: list[str], source: str) -> None:
-    _put(out, "data.datasets", [{"path": value, "weight": 1.0}])
+    put(out, "data.datasets", [{"path": value, "weight": 1.0}])
     notes.append(
         f"train_dataset_dir: {value!r} -> data.datasets [{{path: {value}, weight: 1}}], read as a token "
         "dataset prefix (PREFIX.bin/.idx/.manifest.json written by `llmtrain prepare`), not MindRecord files."
@@ -290,10 +279,8 @@ def normalize_mindspore_keys(d: dict, source: str) -> list[str]:
     if isinstance(run, dict):
         if "mode" in run:
             mode = run.pop("mode")
-            compile_ = {0: True, "graph_mode": True, 1: False, "pynative_mode": False}.get(
-                mode.lower() if isinstance(mode, str) else mode
-            )
-            if compile_ is None or isinstance(mode, bool):
+            compile_ = compile_from_mode(mode)
+            if compile_ is None:
                 raise ConfigError(
                     f"{source}: run.mode: expected 0 (GRAPH_MODE, -> train.compile: true) or 1 (PYNATIVE_MODE, "
                     f"-> train.compile: false), got {mode!r}."
@@ -311,8 +298,8 @@ def normalize_mindspore_keys(d: dict, source: str) -> list[str]:
                     "equivalent; kernel fusion comes from torch.compile (train.compile)."
                 )
         target = run.get("device_target")
-        if isinstance(target, str) and _DEVICE_TARGETS.get(target.lower(), target) != target:
-            run["device_target"] = _DEVICE_TARGETS[target.lower()]
+        if isinstance(target, str) and DEVICE_TARGETS.get(target.lower(), target) != target:
+            run["device_target"] = DEVICE_TARGETS[target.lower()]
             notes.append(f"run.device_target: {target!r} -> {run['device_target']!r}.")
     if isinstance(parallel, dict) and parallel.get("micro_batch_interleave") is True:
         pp = parallel.get("pipeline_parallel", 1)
@@ -324,18 +311,3 @@ def normalize_mindspore_keys(d: dict, source: str) -> list[str]:
                 f"virtual_stages {parallel['virtual_stages']} (pipeline_parallel {pp})."
             )
     return notes
-
-
-def _lookup(table: dict[str, str], value: Any, name: str, source: str) -> str:
-    key = str(value).lower().replace("_", "").replace("-", "")
-    if key not in table:
-        raise ConfigError(
-            f"{source}: {name}: {value!r} is not supported; supported: "
-            f"{', '.join(sorted({k for k in table}))} (case-insensitive)."
-        )
-    return table[key]
-
-
-def _put(out: dict, dotted: str, value: Any) -> None:
-    section, key = dotted.split(".")
-    out.setdefault(section, {})[key] = value
