@@ -64,6 +64,7 @@ def test_export_files_and_transformers_logits(exported):
     assert names == [
         "config.json",
         "generation_config.json",
+        "llmtrain_export.json",
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",

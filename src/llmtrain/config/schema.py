@@ -71,8 +71,12 @@ class ModelConfig:
     rope_theta: float | None = None
     """RoPE base frequency."""
     rope_scaling: Any = None
-    """RoPE scaling: None, a number (linear factor) or a mapping like Llama 3's {factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings}."""
+    """RoPE scaling: None (the flavor's), none (off; 1.0, a linear factor of 1, too), a number (linear factor) or
+    a mapping with rope_type linear, dynamic, yarn, llama3 or longrope and its parameters, like Llama 3's
+    {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}."""
+    max_position_embeddings: int | None = None
+    """Context length the model declares (Hugging Face max_position_embeddings; dynamic RoPE scales past it);
+    None means seq_length. With init_from: hf:PATH it comes from config.json."""
     use_rope: bool = True
     """Rotary position embeddings (False only with position_embedding: alibi)."""
     position_embedding: Literal["rope", "alibi"] | None = None
@@ -87,6 +91,12 @@ class ModelConfig:
     """Normalise the output-embedding rows (Baichuan 2 NormHead)."""
     tie_word_embeddings: bool | None = None
     """Share the input embedding and the output projection."""
+    hidden_act: Literal["silu", "gelu", "gelu_tanh"] | None = None
+    """Activation of the MLP gate: silu (SwiGLU), gelu (exact) or gelu_tanh (tanh approximation); None: silu."""
+    mlp_bias: bool | None = None
+    """Biases on the three MLP projections (Hugging Face Llama's mlp_bias)."""
+    attention_out_bias: bool | None = None
+    """Bias on the attention output projection (with qkv_bias, Hugging Face Llama / Qwen3 attention_bias)."""
     use_flash_attention: bool = True
     """Use torch's scaled_dot_product_attention (flash / memory-efficient kernels where the device has them)."""
     document_mask: bool = False
@@ -94,7 +104,8 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal init of weight matrices."""
     init_from: str | None = None
-    """Start from existing weights: hf:PATH (a Hugging Face directory) or a checkpoint path."""
+    """Start from existing weights: hf:PATH (a Hugging Face directory: its config.json is the architecture,
+    model keys set here must agree with it) or a checkpoint path."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture of experts: model.moe.num_experts > 0 makes the selected blocks' feed-forward an MoE."""
 
@@ -212,7 +223,8 @@ class DatasetSpec:
     """One entry of data.datasets."""
 
     path: str = ""
-    """Dataset prefix as written by `llmtrain prepare --output` (PREFIX.bin, PREFIX.idx, PREFIX.manifest.json)."""
+    """Dataset prefix as written by `llmtrain prepare --output` (PREFIX.bin, PREFIX.idx, PREFIX.manifest.json),
+    or a plain Megatron-LM / MindFormers PREFIX.bin + PREFIX.idx without a manifest (then set data.tokenizer)."""
     weight: float = 1.0
     """Relative sampling weight in the blend."""
 
@@ -224,7 +236,9 @@ class DataConfig:
     datasets: list[DatasetSpec] = field(default_factory=list)
     """Token datasets to blend: a list of {path: PREFIX, weight: W}."""
     tokenizer: str | None = None
-    """Tokenizer file (tokenizer.json or .model); None takes the one recorded in the first dataset's manifest."""
+    """Tokenizer file (tokenizer.json or .model); None takes the one recorded in the first dataset's manifest.
+    Required for datasets without a manifest (Megatron's preprocess_data.py output): their vocabulary size and
+    EOS come from this file, the token dtype from the .idx header."""
     valid_fraction: float = 0.01
     """Fraction of documents held out for validation (whole documents, never shared with training)."""
     num_workers: int = 0

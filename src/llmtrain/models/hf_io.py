@@ -1,30 +1,33 @@
 """Hugging Face directories in and out: safetensors + config.json <-> our Transformer, through the family adapters.
 
-Import (``load_hf_pretrained``, ``init_from_hf``): ``config.json``'s ``model_type`` picks the family from an
-explicit table (never a class imported by name), the family adapter turns the config into ``TransformerArgs`` and
-the HF state dict into ours; weights are read only from ``*.safetensors`` (one file, or shards listed in
-``model.safetensors.index.json``), which holds raw tensors and cannot carry code. ``pytorch_model.bin`` files are
-pickles and are refused with a message saying how to convert them.
+Import (``read_hf_config``, ``load_hf_pretrained``, ``init_from_hf``): ``config.json``'s ``model_type`` picks the
+family from an explicit table (never a class imported by name), the family adapter turns the config into
+``TransformerArgs`` (``models/common/hf_config.py``: every setting that changes the computation is honoured or
+refused) and the HF state dict into ours. Weights are read only from ``*.safetensors`` (one file, or the shards
+``model.safetensors.index.json`` lists), which hold raw tensors and cannot carry code; ``*.bin`` / ``*.pt``
+files are pickles and are refused by name, never opened. Every tensor's shape is checked against the model
+before anything is loaded, so a config.json that does not belong to its weights is a CheckpointError naming
+the tensor, not a failure half-way through the copy.
 
 Export (``save_hf``): our state dict -> HF names (``to_hf_state_dict``), the tied output matrix dropped (HF
-re-ties it from ``tie_word_embeddings``), written as ``model.safetensors`` or, above ``max_shard_bytes``, as
-``model-0000i-of-0000n.safetensors`` plus an index; ``config.json`` from ``to_hf_config`` (token ids filled in),
-``generation_config.json`` and the tokenizer (``tokenizer.json`` copied, or a SentencePiece ``tokenizer.model``)
-with a ``tokenizer_config.json``. ``transformers`` is never imported here.
+re-ties it from ``tie_word_embeddings``), cast to ``dtype``, written as ``model.safetensors`` or, above
+``max_shard_bytes``, as ``model-0000i-of-0000n.safetensors`` plus an index; ``config.json`` is ``base_config``
+(the imported model's own config.json, so every key it had comes back) or ``to_hf_config``, and
+``generation_config.json``. The tokenizer and the atomic placement of the directory are ``llmtrain.export``'s.
+``transformers`` is never imported here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from llmtrain.errors import CheckpointError
+from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.models import FAMILIES, Transformer, TransformerArgs, build_model
 
 # config.json model_type -> our family name (explicit registry).
@@ -37,9 +40,52 @@ HF_MODEL_TYPES: dict[str, str] = {
 }
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Architecture fields an init_from source must share with the model it loads into.
+ARCH_FIELDS = (
+    "family",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "qkv_bias",
+    "attention_out_bias",
+    "mlp_bias",
+    "qk_norm",
+    "norm_head",
+    "tie_word_embeddings",
+    "hidden_act",
+    "rms_norm_eps",
+    "position_embedding",
+    "rope_theta",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "rope_interleaved",
+)
 
 
 # ----------------------------------------------------------------------------- import
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``; CheckpointError naming the file when it is unreadable, not JSON or no object."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the {what} ({e}).") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); the {what} must be the "
+            "JSON file transformers writes."
+        ) from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: the {what} must be a JSON object, got a {type(d).__name__}.")
+    return d
+
+
 def read_hf_config(path: str | Path) -> tuple[dict[str, Any], TransformerArgs]:
     """``(config.json dict, TransformerArgs)`` of the HF directory ``path``."""
     cfg_file = Path(path) / "config.json"
@@ -48,14 +94,14 @@ def read_hf_config(path: str | Path) -> tuple[dict[str, Any], TransformerArgs]:
             f"{path}: no config.json; model.init_from: hf:PATH needs a Hugging Face model directory "
             "(config.json + *.safetensors)."
         )
-    d = json.loads(cfg_file.read_text())
+    d = read_json_object(cfg_file, "model config")
     family = HF_MODEL_TYPES.get(str(d.get("model_type")))
     if family is None:
         raise CheckpointError(
             f"{cfg_file}: model_type {d.get('model_type')!r} is not supported; supported: "
             f"{', '.join(HF_MODEL_TYPES)}."
         )
-    return d, _hf_adapter(family).args_from_hf_config(d)
+    return d, _hf_adapter(family).args_from_hf_config(d, source=str(cfg_file))
 
 
 def _hf_adapter(family: str) -> ModuleType:
@@ -65,30 +111,54 @@ def _hf_adapter(family: str) -> ModuleType:
     return adapter
 
 
-def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the HF directory ``path`` from safetensors (never a pickle)."""
-    from safetensors.torch import load_file
-
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of the HF directory ``path`` (the index's shards, or the single file, or every
+    ``*.safetensors``); CheckpointError when there are none (pickles are named and refused) or a shard is
+    missing."""
     path = Path(path)
     if (path / INDEX_FILE).is_file():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        index = read_json_object(path / INDEX_FILE, "safetensors index")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(
+                f"{path / INDEX_FILE}: weight_map must map tensor names to shard file names."
+            )
         files = sorted(set(weight_map.values()))
-    elif (path / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        pickled = [p.name for p in path.glob("*.bin")]
-        hint = (
-            f" It has {', '.join(pickled)}: pickle files are never loaded; convert them once with "
-            "transformers (`model.save_pretrained(out, safe_serialization=True)`)."
-            if pickled
-            else ""
-        )
-        raise CheckpointError(f"{path}: no *.safetensors weights.{hint}")
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{path / INDEX_FILE} names shard(s) {', '.join(missing)}, which are not in {path}; the download "
+                "or copy is incomplete."
+            )
+        return [path / f for f in files]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) if path.is_dir() else []
+    hint = (
+        f" It has {', '.join(pickled)}: pickle files are never loaded (unpickling runs code); convert them once "
+        "with transformers (`model.save_pretrained(out, safe_serialization=True)`)."
+        if pickled
+        else ""
+    )
+    raise CheckpointError(f"{path}: no *.safetensors weights.{hint}")
+
+
+def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the HF directory ``path`` from safetensors (never a pickle)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     sd: dict[str, torch.Tensor] = {}
-    for name in files:
-        sd.update(load_file(str(path / name)))
+    for file in weight_files(path):
+        try:
+            sd.update(load_file(str(file)))
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({e}); it is truncated or corrupt: copy it again."
+            ) from None
     return sd
 
 
@@ -104,6 +174,23 @@ def load_hf_pretrained(
     return model, args
 
 
+def check_shapes(hf_sd: dict[str, torch.Tensor], args: TransformerArgs, source: str | Path) -> None:
+    """CheckpointError naming the first HF tensors whose shape differs from what config.json describes
+    (checked on the HF names, before fused tensors are split)."""
+    meta = build_model(args, device="meta").state_dict()
+    expected = _hf_adapter(args.family).to_hf_state_dict(meta, args)
+    wrong = [
+        f"{k} {tuple(v.shape)} (config.json implies {tuple(expected[k].shape)})"
+        for k, v in hf_sd.items()
+        if k in expected and tuple(v.shape) != tuple(expected[k].shape)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"{source}: the weights do not have the shapes its config.json describes: {'; '.join(wrong[:3])}"
+            f"{' ...' if len(wrong) > 3 else ''}. config.json and the safetensors files belong to different models."
+        )
+
+
 def init_from_hf(model: torch.nn.Module, path: str | Path) -> TransformerArgs:
     """Overwrite ``model``'s weights with the HF directory's (strict); returns the directory's arguments.
 
@@ -115,30 +202,26 @@ def init_from_hf(model: torch.nn.Module, path: str | Path) -> TransformerArgs:
     _, args = read_hf_config(path)
     ours_args = getattr(model, "args", None)
     if ours_args is not None:
-        fields = (
-            "family",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "qkv_bias",
-            "qk_norm",
-            "tie_word_embeddings",
-        )
         diff = [
-            f"{f}: run {getattr(ours_args, f)} vs {getattr(args, f)}"
-            for f in fields
+            f"{f}: run {getattr(ours_args, f)!r} vs {getattr(args, f)!r}"
+            for f in ARCH_FIELDS
             if getattr(ours_args, f) != getattr(args, f)
         ]
         if diff:
             raise CheckpointError(
                 f"model.init_from: {path} does not match the configured model ({'; '.join(diff)}). Set the model "
-                "section to the directory's architecture (or use its config.json values)."
+                "section to the directory's architecture (or leave it out: config.json then decides)."
             )
-    sd = _hf_adapter(args.family).from_hf_state_dict(read_hf_state_dict(path), args)
+    hf_sd = read_hf_state_dict(path)
+    check_shapes(hf_sd, args, path)
+    head, embed = hf_sd.get("lm_head.weight"), hf_sd.get("model.embed_tokens.weight")
+    if args.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        raise ConfigError(
+            f"{path}: config.json sets tie_word_embeddings true but the weights hold an lm_head.weight that "
+            "differs from model.embed_tokens.weight (transformers 5 then unties them); set tie_word_embeddings "
+            "to false in config.json to import both matrices."
+        )
+    sd = _hf_adapter(args.family).from_hf_state_dict(hf_sd, args)
     sd = _drop_pruned(model, sd, args)
     opts = StateDictOptions(full_state_dict=True, strict=True)
     # torch annotates the state dict as an invariant dict[str, ValueType]; a dict of tensors is one
@@ -159,31 +242,67 @@ def _drop_pruned(
 
 
 # ----------------------------------------------------------------------------- export
-def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+def fsync_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and flush it to disk."""
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def hf_config_for(
+    args: TransformerArgs,
+    base_config: dict[str, Any] | None,
+    dtype: torch.dtype,
+    eos_id: int | None = None,
+    bos_id: int | None = None,
+) -> dict[str, Any]:
+    """config.json for ``args``: the imported ``base_config`` with only its dtype key set to ``dtype`` (every
+    other key as it was), or ``to_hf_config`` with the tokenizer's ids. The result must read back to ``args``."""
+    adapter = _hf_adapter(args.family)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if base_config is None:
+        config = adapter.to_hf_config(args)  # raises ConfigError when HF cannot express the model
+        config["torch_dtype"] = dtype_name
+        if eos_id is not None:
+            config["eos_token_id"] = eos_id
+        if bos_id is not None:
+            config["bos_token_id"] = bos_id
+        return config
+    config = dict(base_config)
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+    for key in keys:
+        config[key] = dtype_name
+    back = adapter.args_from_hf_config(config)
+    diff = [f for f in ARCH_FIELDS if getattr(back, f) != getattr(args, f)]
+    if diff:  # the run's model must be the imported one (resolve refuses any other); a bug otherwise
+        raise CheckpointError(
+            f"the imported config.json no longer describes the trained model ({', '.join(diff)}); export "
+            "without it is needed."
+        )
+    return config
 
 
 def save_hf(
     state_dict: dict[str, torch.Tensor],
     args: TransformerArgs,
     out_dir: str | Path,
-    tokenizer_file: str | Path | None = None,
     eos_id: int | None = None,
     bos_id: int | None = None,
     max_shard_bytes: int = 4 << 30,
+    dtype: torch.dtype | None = None,
+    base_config: dict[str, Any] | None = None,
 ) -> list[Path]:
-    """Write a HF directory for our ``state_dict`` (see the module docstring); returns the files written."""
+    """Write weights, config.json and generation_config.json of a HF directory for our ``state_dict`` into
+    ``out_dir`` (see the module docstring); ``dtype`` None keeps the tensors' own. Returns the files written."""
     from safetensors.torch import save_file
 
     adapter = _hf_adapter(args.family)
-    config = adapter.to_hf_config(args)  # raises ConfigError when HF cannot express the model
     hf_sd = adapter.to_hf_state_dict(state_dict, args)
     if args.tie_word_embeddings:
         hf_sd.pop("lm_head.weight", None)
-    hf_sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in hf_sd.items()}
+    hf_sd = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous().clone() for k, v in hf_sd.items()}
+    config = hf_config_for(args, base_config, next(iter(hf_sd.values())).dtype, eos_id, bos_id)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -210,39 +329,12 @@ def save_hf(
             written.append(out / name)
         total = sum(t.numel() * t.element_size() for t in hf_sd.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _fsync_write(out / INDEX_FILE, json.dumps(index, indent=2))
+        fsync_write(out / INDEX_FILE, json.dumps(index, indent=2))
         written.append(out / INDEX_FILE)
-
-    config.update({"torch_dtype": str(next(iter(hf_sd.values())).dtype).removeprefix("torch.")})
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    _fsync_write(out / "config.json", json.dumps(config, indent=2))
-    gen = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
-    _fsync_write(out / "generation_config.json", json.dumps(gen, indent=2))
+    fsync_write(out / "config.json", json.dumps(config, indent=2))
+    gen = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
+    }
+    fsync_write(out / "generation_config.json", json.dumps(gen, indent=2))
     written += [out / "config.json", out / "generation_config.json"]
-    if tokenizer_file is not None:
-        written += _write_tokenizer(Path(tokenizer_file), out, eos_id, bos_id)
     return written
-
-
-def _write_tokenizer(src: Path, out: Path, eos_id: int | None, bos_id: int | None) -> list[Path]:
-    """tokenizer.json (HF) or tokenizer.model (SentencePiece) plus a tokenizer_config.json naming the specials."""
-    tok_cfg: dict[str, Any] = {"model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}
-    if src.suffix == ".json":
-        shutil.copyfile(src, out / "tokenizer.json")
-        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        from tokenizers import Tokenizer as HFTokenizer
-
-        backend = HFTokenizer.from_file(str(src))
-        for key, tid in (("eos_token", eos_id), ("bos_token", bos_id)):
-            if tid is not None and backend.id_to_token(tid) is not None:
-                tok_cfg[key] = backend.id_to_token(tid)
-        name = "tokenizer.json"
-    else:
-        shutil.copyfile(src, out / "tokenizer.model")
-        tok_cfg.update(tokenizer_class="LlamaTokenizer", add_bos_token=False, add_eos_token=False)
-        name = "tokenizer.model"
-    _fsync_write(out / "tokenizer_config.json", json.dumps(tok_cfg, indent=2))
-    return [out / name, out / "tokenizer_config.json"]

@@ -9,8 +9,9 @@ place where the batch identity is resolved::
 
 ``train.batch_size`` is the global batch; ``train.gradient_accumulation_steps`` is derived from it when unset
 and must make the identity exact when set. The model is resolved by ``llmtrain.models.resolve_model_args``
-(which raises ConfigError for inconsistent architectures), so the parameter count and FLOPs are exact for what
-``train`` will build. The vocabulary comes from ``model.vocab_size``, else the tokenizer's (see
+(which raises ConfigError for inconsistent architectures), or, with ``model.init_from: hf:DIR``, read from
+``DIR/config.json`` (``models.hf_resolve``), so the parameter count and FLOPs are exact for what ``train`` will
+build. The vocabulary comes from ``model.vocab_size``, else the tokenizer's (see
 :func:`tokenizer_vocab`), else the flavor's.
 """
 
@@ -56,12 +57,16 @@ def derive(cfg: Config, world_size: int = 1, vocab_size: int | None = None) -> D
     dataset's manifest, when present on this machine). model.vocab_size, when set, wins either way.
     """
     from llmtrain.models import resolve_model_args  # lazy: the model package imports torch
+    from llmtrain.models.hf_resolve import hf_init_dir, init_from_args
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     grad_accum = resolve_grad_accum(cfg.train, dims.dp)
     if vocab_size is None and cfg.model.vocab_size is None:
         vocab_size, _ = tokenizer_vocab(cfg)
-    args = resolve_model_args(cfg.model, vocab_size)
+    if hf_init_dir(cfg.model) is not None:  # model.init_from: hf:DIR -> DIR/config.json is the architecture
+        args = init_from_args(cfg.model, vocab_size)
+    else:
+        args = resolve_model_args(cfg.model, vocab_size)
     seq = cfg.model.seq_length
     global_batch = cfg.train.micro_batch_size * dims.dp * grad_accum
     tokens_per_step = global_batch * seq

@@ -3,8 +3,9 @@
 :func:`resolve_run` computes the derived figures (batch arithmetic, model size, FLOPs: ``resolve.derived``), the
 stage plan (``resolve.stages``) and the run's real length: the stages' total, or ``train.epochs`` as a cap on
 ``train.max_steps`` (which needs the number of training samples, so the data is read first). The config as
-written is not changed: :class:`ResolvedRun` holds a copy whose ``train.max_steps`` is that length. That copy is
-what the trainer reads and what goes to ``<run_dir>/config.yaml``.
+written is not changed: :class:`ResolvedRun` holds a copy whose ``train.max_steps`` is that length (and whose
+model section, with ``model.init_from: hf:DIR``, spells out config.json's architecture). That copy is what the
+trainer reads and what goes to ``<run_dir>/config.yaml``.
 """
 
 from __future__ import annotations
@@ -50,5 +51,10 @@ def resolve_run(cfg: Config, world_size: int, vocab_size: int, train_samples: in
                 f"(train.max_steps was {cfg.train.max_steps})."
             )
             max_steps = epoch_steps
-    resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=max_steps))
+    from llmtrain.models.hf_resolve import model_config_of  # lazy: the model package imports torch
+
+    # model.init_from: hf:DIR -> the model section written out with config.json's architecture
+    resolved = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, max_steps=max_steps), model=model_config_of(cfg.model)
+    )
     return ResolvedRun(resolved, derived, stages, tuple(notes))

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from llmtrain.errors import ConfigError
+from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.hf_adapter import LLAMA_LAYER, common_args_from_hf, rename_from_hf, rename_to_hf
+from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf
+from llmtrain.models.common.hf_config import ConfigReader, HFDefaults, common_args_from_hf
 
 _PACKED = "attention.wqkv.weight"
 BAICHUAN_LAYER = {
@@ -82,14 +83,19 @@ def to_hf_config(args: TransformerArgs) -> dict[str, Any]:
     return d
 
 
-def args_from_hf_config(d: dict[str, Any]) -> TransformerArgs:
+def args_from_hf_config(d: dict[str, Any], source: str = "config.json") -> TransformerArgs:
     """TransformerArgs of a Baichuan 2 config.json (7B: RoPE; 13B: ALiBi; see the module docstring)."""
+    r = ConfigReader(d, source)
     pe = d.get("position_embedding") or ("rope" if "max_position_embeddings" in d else "alibi")
+    if pe not in ("rope", "alibi"):
+        raise CheckpointError(f"{source}: position_embedding must be rope or alibi, got {pe!r}.")
+    defaults = HFDefaults(max_position_embeddings=r.int("model_max_length", 2048))
     return common_args_from_hf(
         d,
         "baichuan2",
-        10000.0,
+        defaults,
+        source,
         norm_head=True,
         position_embedding=pe,
-        num_kv_heads=int(d["num_attention_heads"]),
+        num_kv_heads=r.int("num_attention_heads"),
     )

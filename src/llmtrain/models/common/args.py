@@ -5,6 +5,9 @@
 Every family (Llama 3, Qwen2/3, GLM-4, Baichuan 2) is the same pre-norm block with a few switches:
 
 * ``qkv_bias``              bias on the q/k/v projections (Qwen2, GLM-4).
+* ``attention_out_bias``    bias on the attention output projection (HF Llama / Qwen3 ``attention_bias``).
+* ``mlp_bias``              biases on the three MLP projections (HF Llama ``mlp_bias``).
+* ``hidden_act``            the MLP gate's activation: silu (SwiGLU), gelu, gelu_tanh.
 * ``qk_norm``               RMSNorm over each head's queries and keys, before RoPE (Qwen3).
 * ``partial_rotary_factor`` fraction of each head that is rotated (GLM-4: 0.5, the rest passes through).
 * ``rope_interleaved``      rotate adjacent pairs (2i, 2i+1) (GLM-4) instead of the two halves (Llama/HF).
@@ -42,11 +45,18 @@ class TransformerArgs:
     position_embedding: str = "rope"
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    """None, {"rope_type": "linear", "factor": f} or Llama 3's {"rope_type": "llama3", "factor",
-    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}."""
+    """None or a dict with ``rope_type`` linear, dynamic, yarn, llama3 or longrope and that type's parameters
+    (``models/common/rope.py``), e.g. Llama 3's {"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"}."""
+    max_position_embeddings: int | None = None
+    """The context length the model declares (HF ``max_position_embeddings``); dynamic RoPE scales beyond it.
+    None: ``seq_length``."""
     partial_rotary_factor: float = 1.0
     rope_interleaved: bool = False
     qkv_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
     qk_norm: bool = False
     norm_head: bool = False
     tie_word_embeddings: bool = False
@@ -95,17 +105,25 @@ class TransformerArgs:
         attn = d * q_out + 2 * d * kv_out + q_out * d  # wq, wk, wv, wo
         if self.qkv_bias:
             attn += q_out + 2 * kv_out
+        if self.attention_out_bias:
+            attn += d
         if self.qk_norm:
             attn += 2 * hd
-        ffn = 3 * d * self.intermediate_size  # w1, w2, w3
-        return attn + ffn + 2 * d  # + attention_norm, ffn_norm
+        return attn + self._dense_ffn_params() + 2 * d  # + attention_norm, ffn_norm
+
+    def _dense_ffn_params(self) -> int:
+        """Parameters of one dense feed-forward (w1, w2, w3 and their biases)."""
+        ffn = 3 * self.hidden_size * self.intermediate_size
+        if self.mlp_bias:
+            ffn += 2 * self.intermediate_size + self.hidden_size
+        return ffn
 
     def _moe_delta(self, active: bool) -> int:
         """Parameters of one MoE block minus those of a dense block (all experts, or the top_k active ones)."""
         d, h = self.hidden_size, self.moe_hidden_size
         routed = (self.top_k if active else self.num_experts) * 3 * d * h
         moe = d * self.num_experts + routed + self.shared_experts * 3 * d * h  # router + experts + shared
-        return moe - 3 * d * self.intermediate_size
+        return moe - self._dense_ffn_params()
 
     def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
         """Exact parameter count of the built model (tied embeddings counted once).

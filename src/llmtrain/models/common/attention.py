@@ -68,7 +68,7 @@ def build_attention_mask(
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA, optional qkv bias, QK-norm, (partial) RoPE or ALiBi, and a KV cache."""
+    """Multi-head attention with GQA, optional qkv / output bias, QK-norm, (partial) RoPE or ALiBi, a KV cache."""
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(d, args.num_heads * hd, bias=args.qkv_bias)
         self.wk = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
         self.wv = nn.Linear(d, args.num_kv_heads * hd, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.num_heads * hd, d, bias=False)
+        self.wo = nn.Linear(args.num_heads * hd, d, bias=args.attention_out_bias)
         self.q_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(hd, args.rms_norm_eps) if args.qk_norm else None
         self.alibi = args.position_embedding == "alibi"

@@ -23,6 +23,8 @@ from typing import Any
 from llmtrain.config.schema import ModelConfig
 from llmtrain.errors import ConfigError
 from llmtrain.models.common.args import TransformerArgs, check_moe_args
+from llmtrain.models.common.layers import ACTIVATIONS
+from llmtrain.models.common.rope import normalize_rope_scaling as rope_normalize
 
 # ModelConfig fields copied onto TransformerArgs when set (same names on both sides).
 _OVERRIDABLE = (
@@ -41,6 +43,10 @@ _OVERRIDABLE = (
     "qk_norm",
     "norm_head",
     "tie_word_embeddings",
+    "hidden_act",
+    "mlp_bias",
+    "attention_out_bias",
+    "max_position_embeddings",
 )
 _ARG_FIELDS = {f.name for f in fields(TransformerArgs)}
 
@@ -94,39 +100,10 @@ def default_intermediate_size(hidden_size: int) -> int:
     return 256 * math.ceil(math.ceil(8 * hidden_size / 3) / 256)
 
 
-def normalize_rope_scaling(value: Any) -> dict[str, Any] | None:
-    """None, a number (linear factor) or a mapping -> the dict form ``TransformerArgs.rope_scaling`` holds."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
-        raise ConfigError(
-            f"model.rope_scaling must be null, a number (linear factor) or a mapping like "
-            f"{{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
-            f"original_max_position_embeddings: 8192}}; got {value!r}."
-        )
-    if not isinstance(value, dict):
-        if value <= 0:
-            raise ConfigError(f"model.rope_scaling factor must be positive, got {value!r}.")
-        return {"rope_type": "linear", "factor": float(value)}
-    scaling = dict(value)
-    kind = (
-        scaling.pop("type", None)
-        or scaling.get("rope_type")
-        or ("llama3" if "low_freq_factor" in scaling else "linear")
-    )
-    scaling["rope_type"] = kind
-    needed = {
-        "linear": ("factor",),
-        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    }
-    if kind not in needed:
-        raise ConfigError(f"model.rope_scaling.rope_type {kind!r} is not supported; use linear or llama3.")
-    missing = [k for k in needed[kind] if k not in scaling]
-    if missing:
-        raise ConfigError(f"model.rope_scaling of type {kind} lacks {', '.join(missing)}.")
-    if kind == "llama3" and not float(scaling["high_freq_factor"]) > float(scaling["low_freq_factor"]):
-        raise ConfigError("model.rope_scaling.high_freq_factor must be larger than low_freq_factor.")
-    return scaling
+def normalize_rope_scaling(value: Any, max_positions: int | None = None) -> dict[str, Any] | None:
+    """None, a number (linear factor), an off spelling (``none``) or a mapping -> the dict form
+    ``TransformerArgs.rope_scaling`` holds (``models/common/rope.normalize_rope_scaling``)."""
+    return rope_normalize(value, max_positions)
 
 
 def resolve(spec: FamilySpec, cfg: ModelConfig, vocab_size: int | None) -> TransformerArgs:
@@ -165,7 +142,9 @@ def resolve(spec: FamilySpec, cfg: ModelConfig, vocab_size: int | None) -> Trans
         values["position_embedding"] = "alibi"
     if values.get("position_embedding") == "alibi":
         for key in ("rope_scaling", "partial_rotary_factor"):
-            if getattr(cfg, key) is not None:
+            if getattr(cfg, key) is not None and not (
+                key == "rope_scaling" and rope_normalize(cfg.rope_scaling) is None
+            ):
                 raise ConfigError(
                     f"model.{key} is set but model.position_embedding is alibi, which has no rotary "
                     f"embedding; remove model.{key} or use position_embedding: rope."
@@ -204,7 +183,6 @@ def _finish(values: dict[str, Any]) -> TransformerArgs:
         raise ConfigError(
             f"model.num_kv_heads ({values['num_kv_heads']}) must divide model.num_heads ({values['num_heads']})."
         )
-    values["rope_scaling"] = normalize_rope_scaling(values.get("rope_scaling"))  # a copy, never shared
     pe = values.get("position_embedding", "rope")
     if pe not in ("rope", "alibi"):
         raise ConfigError(f"model.position_embedding must be rope or alibi, got {pe!r}.")
@@ -214,6 +192,19 @@ def _finish(values: dict[str, Any]) -> TransformerArgs:
         raise ConfigError(
             f"model.partial_rotary_factor {partial} must be in (0, 1] and give an even number of rotated "
             f"dimensions of model.head_dim {values['head_dim']} (got {rotary_dim})."
+        )
+    max_pos = values.get("max_position_embeddings")
+    if max_pos is not None:
+        _positive_int(values, "max_position_embeddings")
+    # a copy, never shared; types that need the original context take max_position_embeddings when unset
+    values["rope_scaling"] = rope_normalize(values.get("rope_scaling"), max_pos, rotary_dim)
+    act = values.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"model.hidden_act {act!r} is not supported; valid: {', '.join(ACTIVATIONS)}.")
+    if values.get("num_experts") and (act != "silu" or values.get("mlp_bias")):
+        raise ConfigError(
+            "model.moe experts are SwiGLU without biases: model.hidden_act must be silu and model.mlp_bias "
+            f"false with model.moe.num_experts > 0 (got hidden_act {act!r}, mlp_bias {values.get('mlp_bias')!r})."
         )
     for key in ("rms_norm_eps", "rope_theta", "init_std", "partial_rotary_factor"):
         if key in values:

@@ -1,4 +1,4 @@
-"""Small building blocks shared by every family: RMSNorm, the SwiGLU feed-forward and Baichuan's NormHead.
+"""Small building blocks shared by every family: RMSNorm, the gated feed-forward and Baichuan's NormHead.
 
 Parameter names follow torchtitan (``w1``/``w2``/``w3``, ``weight``) so tensor-parallel plans written as
 "module path -> style" apply unchanged to every family; the Hugging Face names are mapped in each family's
@@ -30,17 +30,35 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``; w1 is the gate, w3 the up projection, w2 the down projection."""
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+"""Gate activations: ``silu`` (SwiGLU), ``gelu`` (exact, erf) and ``gelu_tanh`` (the tanh approximation that
+Hugging Face calls gelu_new / gelu_pytorch_tanh / gelu_fast)."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``name`` (one of :data:`ACTIVATIONS`) applied to ``x``."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    raise ValueError(f"unknown activation {name!r}; valid: {', '.join(ACTIVATIONS)}")
+
+
+class FeedForward(nn.Module):
+    """Gated MLP ``w2(act(w1 x) * w3 x)`` (SwiGLU with silu); w1 is the gate, w3 the up projection, w2 the down
+    projection; ``bias`` puts a bias on all three (Llama's ``mlp_bias``)."""
+
+    def __init__(self, dim: int, hidden_dim: int, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.act = act
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, dim]
+        return self.w2(activation(self.act, self.w1(x)) * self.w3(x))  # [B, T, dim]
 
 
 class NormHead(nn.Linear):

@@ -6,6 +6,7 @@ Layout (torchtitan's names, which tensor-parallel plans and FSDP wrapping addres
     rope             RotaryEmbedding (no parameters; None with ALiBi)
     layers           nn.ModuleDict {"0": TransformerBlock, ..., "L-1": ...}
         attention_norm, attention.{wq, wk, wv, wo[, q_norm, k_norm]}, ffn_norm, feed_forward.{w1, w2, w3}
+        (biases: wq/wk/wv with qkv_bias, wo with attention_out_bias, w1/w2/w3 with mlp_bias)
     norm             RMSNorm                                 (None on a non-last pipeline stage)
     output           nn.Linear / NormHead [vocab, dim]       (None on a non-last pipeline stage)
 
@@ -47,7 +48,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward: FeedForward | MoE = (
             MoE(args)
             if args.is_moe_layer(layer_id)
-            else FeedForward(args.hidden_size, args.intermediate_size)
+            else FeedForward(args.hidden_size, args.intermediate_size, args.hidden_act, args.mlp_bias)
         )
 
     def forward(
@@ -70,7 +71,12 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.hidden_size)
         self.rope: RotaryEmbedding | None = None
         if args.position_embedding == "rope":
-            self.rope = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.rope_scaling)
+            self.rope = RotaryEmbedding(
+                args.rotary_dim,
+                args.rope_theta,
+                args.rope_scaling,
+                args.max_position_embeddings or args.seq_length,
+            )
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.output: nn.Linear | None = (

@@ -3,6 +3,9 @@
 The checkpoint stores the MLP's gate and up projections as one ``mlp.gate_up_proj`` ``[2 * ffn, hidden]``
 (gate rows first); we keep them apart as ``w1`` (gate) and ``w3`` (up) so a column-wise TP plan can shard
 them. Everything else is a rename; the interleaved partial RoPE is the same arithmetic on both sides.
+``attention_bias`` (default true) is the q/k/v bias (GLM's o_proj has none). Absent keys take ``GlmConfig``'s
+defaults: head_dim 128, 2 key/value heads, partial_rotary_factor 0.5, rms_norm_eps 1.5625e-7,
+max_position_embeddings 131,072, rope_theta 10,000.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.hf_adapter import (
-    LLAMA_LAYER,
-    common_args_from_hf,
-    common_hf_config,
-    rename_from_hf,
-    rename_to_hf,
+from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf
+from llmtrain.models.common.hf_config import ConfigReader, HFDefaults, common_args_from_hf, common_hf_config
+
+DEFAULTS = HFDefaults(
+    rms_norm_eps=1.5625e-07,
+    head_dim=128,
+    num_key_value_heads=2,
+    max_position_embeddings=131072,
+    partial_rotary_factor=0.5,
 )
 
 _FUSED = "feed_forward.w13.weight"
@@ -59,16 +65,16 @@ def to_hf_config(args: TransformerArgs) -> dict[str, Any]:
     """config.json content that ``transformers.GlmConfig`` loads."""
     if args.qk_norm or args.norm_head or args.position_embedding != "rope" or not args.rope_interleaved:
         raise ConfigError("GlmForCausalLM needs interleaved RoPE and no qk_norm / norm_head / alibi.")
+    if args.attention_out_bias or args.mlp_bias:
+        raise ConfigError("GlmForCausalLM has no o_proj or MLP bias (attention_out_bias / mlp_bias).")
     d = common_hf_config(args, "GlmForCausalLM", "glm")
     d.update(attention_bias=args.qkv_bias, partial_rotary_factor=args.partial_rotary_factor)
     return d
 
 
-def args_from_hf_config(d: dict[str, Any]) -> TransformerArgs:
+def args_from_hf_config(d: dict[str, Any], source: str = "config.json") -> TransformerArgs:
     """TransformerArgs of a HF ``glm`` config.json."""
-    args = common_args_from_hf(
-        d, "glm4", 10000.0, qkv_bias=bool(d.get("attention_bias", True)), rope_interleaved=True
+    bias = ConfigReader(d, source).bool("attention_bias", True)
+    return common_args_from_hf(
+        d, "glm4", DEFAULTS, source, whole_heads=False, qkv_bias=bias, rope_interleaved=True
     )
-    if "partial_rotary_factor" not in d and "partial_rotary_factor" not in (d.get("rope_parameters") or {}):
-        args.partial_rotary_factor = 0.5  # GlmConfig's default
-    return args

@@ -1,0 +1,153 @@
+"""``model.init_from: hf:DIR``: the architecture comes from ``DIR/config.json``, not from the YAML.
+
+:func:`init_from_args` is what ``resolve.derive`` calls for such a config, so ``check``, ``plan`` and ``train``
+all see the real model. The YAML's model section may stay empty (only ``seq_length``, the training length, is
+its own); every architecture key it does set is compared with config.json, and each disagreement is named
+with both values in one ConfigError (``model.flavor`` counts as setting all of that flavor's fields). The
+tokenizer's vocabulary must fit the embedding (``<= vocab_size``); a smaller one leaves rows unused, as
+published checkpoints do. ``model.model_type`` has a default (llama3), so only a non-default value is
+compared. When ``DIR/config.json`` is not on this machine (a cluster path checked on a laptop) and the YAML
+names an architecture, that architecture is used as before; the trainer's load then says what is missing.
+
+:func:`model_config_of` writes the resolved architecture back into the model section (the run's
+``config.yaml`` is then self-describing: a run can be generated from or exported after DIR is gone, and
+re-resolving it with DIR present agrees key by key). RoPE scaling that is off is written as ``none``, since
+``rope_scaling: null`` in YAML means "the flavor's".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from llmtrain.config.schema import ModelConfig
+from llmtrain.errors import CheckpointError, ConfigError
+from llmtrain.models import TransformerArgs, get_family, resolve_model_args
+from llmtrain.models.common.rope import normalize_rope_scaling
+
+# ModelConfig fields that name an architecture setting (same name on TransformerArgs).
+COMPARED = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "position_embedding",
+    "partial_rotary_factor",
+    "qkv_bias",
+    "qk_norm",
+    "norm_head",
+    "tie_word_embeddings",
+    "hidden_act",
+    "mlp_bias",
+    "attention_out_bias",
+)
+_FROM_FLAVOR = (
+    *COMPARED[:7],
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "qkv_bias",
+)
+
+
+def hf_init_dir(cfg: ModelConfig) -> Path | None:
+    """``DIR`` of ``model.init_from: hf:DIR``, else None."""
+    source = cfg.init_from
+    return Path(source[3:]) if isinstance(source, str) and source.startswith("hf:") else None
+
+
+def _names_architecture(cfg: ModelConfig) -> bool:
+    return cfg.flavor is not None or cfg.hidden_size is not None
+
+
+def init_from_args(cfg: ModelConfig, vocab_size: int | None) -> TransformerArgs:
+    """The TransformerArgs of a run whose model section has ``init_from: hf:DIR`` (see the module docstring)."""
+    from llmtrain.models.hf_io import read_hf_config
+
+    path = hf_init_dir(cfg)
+    assert path is not None
+    if not (path / "config.json").is_file() and _names_architecture(cfg):
+        return resolve_model_args(cfg, vocab_size)  # DIR not on this machine: the YAML's own architecture
+    d, hf_args = read_hf_config(path)
+    source = path / "config.json"
+    problems = _disagreements(cfg, d, hf_args, vocab_size)
+    if problems:
+        raise ConfigError(
+            f"model.init_from: hf:{path} takes the architecture from {source}, and the config's model section "
+            f"disagrees with it: {'; '.join(problems)}. Remove these keys from the model section (config.json "
+            "decides) or point model.init_from at the model they describe."
+        )
+    if vocab_size is not None and vocab_size > hf_args.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {vocab_size} tokens but {source} has vocab_size {hf_args.vocab_size}: token ids >= "
+            f"{hf_args.vocab_size} would index past the embedding of model.init_from. Use the model's own "
+            "tokenizer (or one no larger)."
+        )
+    return dataclasses.replace(hf_args, seq_length=cfg.seq_length)
+
+
+def _disagreements(
+    cfg: ModelConfig, d: dict[str, Any], hf: TransformerArgs, vocab_size: int | None
+) -> list[str]:
+    """``model.KEY is A but config.json says B`` for every explicitly set key that differs."""
+    out: list[str] = []
+
+    def differ(key: str, ours: Any, theirs: Any) -> None:
+        if ours != theirs:
+            out.append(f"model.{key} is {ours!r}, config.json gives {theirs!r}")
+
+    if cfg.model_type != ModelConfig.model_type:
+        differ("model_type", get_family(cfg.model_type).name, hf.family)
+    if cfg.flavor is not None:
+        spec = get_family(cfg.model_type)
+        if cfg.flavor not in spec.flavors:
+            raise ConfigError(f"model.flavor {cfg.flavor!r} is not a flavor of {spec.name}.")
+        flavor = spec.flavor_args(cfg.flavor)
+        for key in _FROM_FLAVOR:
+            if getattr(flavor, key) != getattr(hf, key):
+                out.append(
+                    f"model.flavor {cfg.flavor} has {key} {getattr(flavor, key)!r}, config.json gives "
+                    f"{getattr(hf, key)!r}"
+                )
+    for key in COMPARED:
+        value = getattr(cfg, key)
+        if value is None:
+            continue
+        if key == "rope_scaling":
+            value = normalize_rope_scaling(value, d.get("max_position_embeddings"), hf.rotary_dim)
+        differ(key, value, getattr(hf, key))
+    if cfg.max_position_embeddings is not None:
+        differ("max_position_embeddings", cfg.max_position_embeddings, d.get("max_position_embeddings"))
+    if not cfg.use_rope:
+        differ("use_rope", False, hf.position_embedding == "rope")
+    if cfg.moe.num_experts:
+        differ("moe.num_experts", cfg.moe.num_experts, hf.num_experts)
+    return out
+
+
+def model_config_of(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with its architecture keys filled from ``DIR/config.json`` (unchanged without init_from hf:,
+    or when config.json is not on this machine)."""
+    path = hf_init_dir(cfg)
+    if path is None or not (path / "config.json").is_file():
+        return cfg
+    from llmtrain.models.hf_io import read_hf_config
+
+    try:
+        d, args = read_hf_config(path)
+    except CheckpointError:
+        return cfg  # derive has raised it already for the run; nothing to fill
+    values: dict[str, Any] = {k: getattr(args, k) for k in COMPARED}
+    values["rope_scaling"] = dict(args.rope_scaling) if args.rope_scaling else "none"
+    values.update(
+        model_type=args.family, flavor=None, max_position_embeddings=d.get("max_position_embeddings")
+    )
+    return dataclasses.replace(cfg, **values)
