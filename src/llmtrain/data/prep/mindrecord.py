@@ -13,7 +13,8 @@ The layout, as MindSpore 2.x's ``FileWriter`` writes it (measured facts in ``sha
 * A page is rows back to back, each a little-endian u64 length and its bytes. Blob pages hold the array
   fields; raw pages the scalar fields as msgpack maps (never decoded: only blob fields are read). A blob row
   is its one field's bytes or, with several blob fields, each field as a big-endian u64 length and its bytes,
-  in ``blob_fields`` order. Rows run in order over a shard's blob pages; shard k holds the k-th range of rows.
+  in ``blob_fields`` order. Rows run in order over a shard's blob pages, and the dataset is shard 0's rows,
+  then shard 1's, ...: ``FileReader``'s order, not the write order (FileWriter splits each batch into runs).
 * int32/int64 arrays are compressed: a big-endian u32 count n, ceil(n / 4) bytes of 2-bit width codes (most
   significant first: 0 int8, 1 int16, 2 int32, 3 int64), then each value little-endian signed in its width.
 
