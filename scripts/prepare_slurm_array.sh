@@ -7,6 +7,8 @@
 #
 # Edit INPUT / OUTPUT / TOKENIZER / OPTIONS below. A failed or preempted task can be resubmitted as is: finished
 # input files of its partition are skipped.
+# This is the two-phase path (phase 2, the merge, holds every signature in one process: ~1.5 KB per document).
+# For a corpus beyond a few million documents use scripts/prepare_staged_slurm.sh (bounded memory per task).
 #SBATCH --job-name=llmtrain-prepare
 #SBATCH --cpus-per-task=16
 #SBATCH --mem=64G

@@ -38,7 +38,8 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "world_product": (6, ["parallel.data_parallel=4", "parallel.tensor_parallel=2"]),
     "hsdp_replicate": (2, ["parallel.zero_stage=3", "parallel.data_parallel_replicate=3"]),
     "ep_divides": (2, ["parallel.expert_parallel=3"]),
-    "context_parallel": (2, ["parallel.context_parallel=2"]),
+    "context_parallel": (2, ["parallel.context_parallel=2", "train.compile=true"]),
+    "cp_seq": (2, ["parallel.context_parallel=2", "model.seq_length=30"]),
     "tp_heads": (3, ["parallel.tensor_parallel=3"]),
     "tp_kv_heads": (4, ["parallel.tensor_parallel=4"]),
     "tp_ffn": (2, ["parallel.tensor_parallel=2", "model.intermediate_size=255"]),
@@ -120,7 +121,7 @@ def check_cli(capsys, path: Path, overrides: list[str], world: int) -> tuple[int
 
 def test_every_fatal_rule_has_a_case():
     assert set(CASES) == set(FATAL_RULES)
-    assert len(FATAL_RULES) == 30 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
+    assert len(FATAL_RULES) == 31 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
 
 
 @pytest.mark.parametrize("rule", list(CASES))
@@ -213,7 +214,7 @@ def test_planner_proposes_only_what_training_runs(tiny_corpus):
     cluster = parse_cluster("8xh100", load_catalog())
     setups = {  # name -> (model overrides, compile)
         "long_seq": (["model.seq_length=32768", "train.batch_size=64"], False),  # CP used to be proposed
-        "moe": ([*MOE, "train.batch_size=64"], False),  # MoE x TP / PP used to be proposed
+        "moe": ([*MOE, "train.batch_size=64"], False),  # MoE x TP used to be proposed (PP now trains it)
         "tied": (["model.tie_word_embeddings=true", "train.batch_size=64"], False),  # tied x PP
         "vocab_513": (["model.vocab_size=513", "train.batch_size=64"], True),  # uneven vocab: now proposed
     }
@@ -237,7 +238,7 @@ def test_planner_proposes_only_what_training_runs(tiny_corpus):
         seen[name] = {(lay.tp, lay.pp, lay.cp) for lay in cands}
     assert {cp for _, _, cp in seen["long_seq"]} == {1}
     assert {tp for tp, _, _ in seen["long_seq"]} == {1, 2} and (1, 2, 1) in seen["long_seq"]  # kv heads 2
-    assert seen["moe"] == {(1, 1, 1)}
+    assert {tp for tp, _, _ in seen["moe"]} == {1} and (1, 2, 1) in seen["moe"]
     assert {pp for _, pp, _ in seen["tied"]} == {1} and (2, 1, 1) in seen["tied"]
     assert (2, 1, 1) in seen["vocab_513"]  # compile with TP: a warning, so TP 2 is proposed too
     # the refused layouts really are refused (the filter is not vacuous)

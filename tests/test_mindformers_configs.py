@@ -184,23 +184,35 @@ def test_pipeline_ignores_gradient_accumulation(tmp_path):
     assert any("gradient_accumulation_steps 4 ignored" in n for n in notes)
 
 
-def test_deepseek3_refused_with_everything_else_mapped(capsys):
+def test_deepseek3_maps_onto_the_deepseek_v3_family(capsys):
+    """The deepseek3 671B file maps onto model_type deepseek_v3 (MLA + DeepSeekMoE): check names the one part of
+    its layout llmtrain lacks (MoE with tensor parallel); without TP, on the 256 ranks left (pp 16 x dp 16, the
+    experts sharded over the 16 data-parallel ranks), it passes with the 671B model. The MTP layer is left out."""
     code, out, err = run_check(capsys, DEEPSEEK3, 1024)
     assert code == 2 and out == "" and "Traceback" not in err
-    assert "model_type deepseek_v3 (MLA + DeepSeekMoE) is not available yet" in err and str(DEEPSEEK3) in err
-    for key in ("q_lora_rank 1536", "kv_lora_rank 512", "mtp_depth 1", "routed_scaling_factor 2.5"):
-        assert key in err, key
+    assert "(model.moe.num_experts 256) with tensor_parallel 4 is not supported yet" in err
+    code, out, err = run_check(
+        capsys, DEEPSEEK3, 256, "parallel.tensor_parallel=1", "parallel.expert_parallel=16"
+    )
+    assert code == 0, err
+    assert derived(out, "model").startswith("deepseek_v3:")
+    n = parameters(out)
+    assert n == 671_026_404_352 and abs(n - 671e9) / 671e9 < 0.01
+    assert "active per token 37.6B (37,552,282,624)" in derived(out, "parameters")  # published: 37B activated
+    m, notes = resolved(out)["model"], section(out, "notes")
+    assert (m["q_lora_rank"], m["kv_lora_rank"], m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]) == (1536, 512, 128, 64, 128)  # fmt: skip
+    assert "multi-token prediction (mtp_depth 1) is not implemented" in notes
     cfg = raw(DEEPSEEK3)
     native, notes, missing = translate(cfg, str(DEEPSEEK3))
-    assert missing == "deepseek_v3 (MLA + DeepSeekMoE)" and native["model"]["model_type"] == "deepseek_v3"
+    assert missing is None and native["model"]["model_type"] == "deepseek_v3"
     assert native["train"]["batch_size"] == mindformers_global_batch(cfg) == 1 * 16 * 32
     assert native["train"]["max_steps"] == 512000 // 512
-    layers = native["parallel"]["pipeline_layers"]  # (61 layers + 1 MTP) // 16 + offset
-    assert layers == [4] * 15 + [2] and sum(layers) == 61 + 1
+    layers = native["parallel"]["pipeline_layers"]  # (61 layers + 1 MTP) // 16 + offset, less the MTP layer
+    assert layers == [4] * 15 + [1] and sum(layers) == 61
     assert native["model"]["moe"] == {
         "num_experts": 256, "top_k": 8, "moe_hidden_size": 2048, "shared_experts": 1, "router_score": "sigmoid",
         "route_norm": True, "aux_loss_coef": 0.0001, "bias_update_rate": 0.001, "capacity_factor": 1.5,
-        "first_dense_layers": 3, "every": 1,
+        "first_dense_layers": 3, "every": 1, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
     }  # fmt: skip
     assert (native["parallel"]["expert_parallel"], native["recompute"]["mode"]) == (8, "full")
     # the fixture is DeepSeek-V3-sized: its MLA + MoE parameters, written out by hand, are the published 671B
@@ -215,7 +227,7 @@ def test_deepseek3_refused_with_everything_else_mapped(capsys):
     dense_ffn, moe_ffn = 3 * d * mc["intermediate_size"], (moe["expert_num"] + moe["shared_expert_num"]) * expert + d * moe["expert_num"]  # fmt: skip
     dense = moe["first_k_dense_replace"]
     total = mc["num_layers"] * (attn + 2 * d) + dense * dense_ffn + (mc["num_layers"] - dense) * moe_ffn + 2 * vocab * d + d  # fmt: skip
-    assert abs(total - 671e9) / 671e9 < 0.01
+    assert abs(total - 671e9) / 671e9 < 0.01 and total == n  # and it is what llmtrain check counts
 
 
 def test_unknown_and_refused_keys(tmp_path):
@@ -317,7 +329,7 @@ def test_tiny_train_of_each_layout(tiny_corpus, tmp_path, capsys, path, extra, l
 def test_plan_reads_the_2x_layout(capsys):
     assert main(["plan", str(QWEN3), "--cluster", "32x910b@4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["layout"] == "tp4 pp4 dp2 zero3 mbs1 rc-full 1f1b"
+    assert plan["layout"] == "tp4 pp4 dp2 zero3 mbs1 rc-full 1f1b layers15-15-17-17"
     assert plan["tokens_per_step"] == mindformers_global_batch(raw(QWEN3)) * 4096
 
 

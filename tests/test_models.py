@@ -198,7 +198,9 @@ def test_resolution_layers_defaults_flavor_and_overrides() -> None:
     alibi = resolve_model_args(ModelConfig(model_type="baichuan2", flavor="debug", use_rope=False))
     assert alibi.position_embedding == "alibi" and alibi.rotary_dim == 0
     assert list_flavors("llama")[:2] == ["debug", "demo"] and "100b" in list_flavors("llama3")
-    assert set(FAMILIES) == {"llama3", "llama", "qwen2", "qwen3", "glm4", "baichuan2"}
+    assert set(FAMILIES) == {
+        "llama3", "llama", "qwen2", "qwen3", "glm4", "baichuan2", "mistral", "mixtral", "deepseek_v3"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(

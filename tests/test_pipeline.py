@@ -166,9 +166,9 @@ def test_tied_embeddings_and_context_parallel_are_config_errors(tiny_corpus):
     with pytest.raises(ConfigError, match="tied input/output embeddings"):
         validate(config_from_dict(cfg), world_size=2)
     cfg = pp_base(tiny_corpus, "llama3")
-    cfg["parallel"] = {"context_parallel": 2}
-    with pytest.raises(ConfigError, match="context_parallel 2 is not supported.*no sharding strategy"):
-        validate(config_from_dict(cfg), world_size=2)
+    cfg["parallel"] = {**PP, "context_parallel": 2}
+    with pytest.raises(ConfigError, match="context_parallel 2 with pipeline_parallel 2 is not supported"):
+        validate(config_from_dict(cfg), world_size=4)
 
 
 def test_even_and_uneven_split_names(tiny_corpus):

@@ -6,6 +6,7 @@ Needs Debian's ``chromium`` package (``apt-get install -y chromium``); skipped w
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -16,7 +17,8 @@ import pytest
 
 from llmtrain.config import config_from_dict
 from llmtrain.report import build_report
-from llmtrain.report.plots import PLOTS
+from llmtrain.report.plots import PLOTS, plot_titles
+from llmtrain.report.run_data import load_run
 from llmtrain.train.trainer import Trainer
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -43,7 +45,14 @@ def test_report_renders_in_chromium(tiny_corpus, tmp_path):
         "eval": {"at_start": True, "eval_iters": 1},
         "run": {"device_target": "cpu", "output_dir": str(out), "threads": 1},
     }
+    downstream = importlib.util.find_spec("lm_eval") is not None  # the eval extra: one plot per task metric
+    if downstream:
+        cfg["eval"].update({"tasks": ["stdlib_mc"], "downstream_steps": 3, "limit": 4})
     Trainer(config_from_dict(cfg)).fit()
+    plots = list(plot_titles(load_run(out)))
+    assert plots[: len(PLOTS)] == list(PLOTS)
+    if downstream:  # acc and acc_norm of stdlib_mc, after the fixed plots
+        assert plots[len(PLOTS) :] == ["eval-stdlib_mc-acc", "eval-stdlib_mc-acc_norm"]
     report = build_report(out, tmp_path / "report.html", with_plan=False)
     url = report.resolve().as_uri()
 
@@ -52,11 +61,14 @@ def test_report_renders_in_chromium(tiny_corpus, tmp_path):
     body = re.search(r"<body([^>]*)>", p.stdout)
     assert body, p.stdout[:2000]
     attrs = dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(1)))
-    assert attrs.get("plots") == str(len(PLOTS)) and attrs.get("rendered") == str(len(PLOTS)), attrs
+    assert attrs.get("plots") == str(len(plots)) and attrs.get("rendered") == str(len(plots)), attrs
     assert attrs.get("ok") == "1", attrs
     assert "data-errors" not in re.search(r"<html[^>]*>", p.stdout).group(0)  # no uncaught script error
-    for pid in PLOTS:  # every figure is in the DOM, marked rendered by the page's check
+    for pid in plots:  # every figure is in the DOM, marked rendered by the page's check
         assert re.search(rf'<figure id="plot-{pid}" data-plot="{pid}" data-rendered="1">', p.stdout), pid
+    for pid in plots[len(PLOTS) :]:  # the downstream plots hold the scores, not the "no data yet" note
+        figure = re.search(rf'<figure id="plot-{pid}".*?</figure>', p.stdout, re.S)
+        assert figure and "no data yet" not in figure.group(0) and "<path" in figure.group(0), pid
     console = [line for line in p.stderr.splitlines() if "CONSOLE" in line]
     assert not [line for line in console if re.search(r"error|uncaught", line, re.I)], console
 

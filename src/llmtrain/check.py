@@ -120,7 +120,30 @@ def derived_lines(cfg: Config, d: Derived, origin: str) -> list[tuple[str, str]]
         ("FLOPs per token", f"{d.flops_per_token:.4g} (training: forward + backward)"),
         ("FLOPs per step", f"{d.flops_per_token * d.tokens_per_step:.4g}"),
         ("total tokens", f"{human(d.total_tokens)} ({steps:,} steps x {d.tokens_per_step:,})"),
+        *long_context_lines(cfg, d),
     ]
+
+
+def long_context_lines(cfg: Config, d: Derived) -> list[tuple[str, str]]:
+    """Rows for the loss's logits memory (plain vs chunked, train/loss.py) and activation offload."""
+    from llmtrain.train.loss import resolve_loss_chunk
+
+    assert d.dims is not None
+    vocab, tokens = d.model_args.vocab_size, d.micro_batch_size * cfg.model.seq_length
+    chunk = resolve_loss_chunk(cfg.train.loss_chunk_tokens, vocab, d.dims.tp, d.dims.pp)
+    live = min(chunk, tokens) if chunk else tokens
+    how = f"chunked, {chunk} tokens per chunk" if chunk else "plain (whole logits)"
+    rows = [
+        (
+            "loss logits",
+            f"{how}: {live * vocab * 4 / 2**30:.3g} GiB fp32 live per micro-batch (x2 in backward)",
+        )
+    ]
+    if cfg.recompute.mode == "offload":
+        rows.append(
+            ("recompute", "offload: every block's saved activations go to host memory (pinned on CUDA)")
+        )
+    return rows
 
 
 def human(n: float) -> str:

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("llmtrain.commands.plan", "estimate memory, step time, MFU and cost of a run; search layouts"),
     "merge": ("llmtrain.commands.merge", "join the partitions written by `prepare --partition i/N`"),
     "export": ("llmtrain.commands.export", "export a checkpoint to Hugging Face safetensors"),
+    "eval": ("llmtrain.commands.eval", "score a checkpoint on downstream tasks (lm-eval, local data only)"),
     "launch": ("llmtrain.commands.launch", "run `train` under torchrun (multi-process, multi-node, elastic)"),
     "report": (
         "llmtrain.commands.report",

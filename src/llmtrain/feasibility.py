@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from llmtrain.context_rules import cp_problems
 from llmtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,14 +55,15 @@ RULES: dict[str, Rule] = {
     "world_product": Rule(_F, "degrees", _P + "data_parallel"),            # dp x tp x pp x cp != world
     "hsdp_replicate": Rule(_F, "degrees", _P + "data_parallel_replicate"), # replicate does not divide dp
     "ep_divides": Rule(_F, "degrees", _P + "expert_parallel"),             # ep does not divide dp x cp
-    "context_parallel": Rule(_F, "unsupported", _P + "context_parallel"),  # cp > 1
+    "context_parallel": Rule(_F, "unsupported", _P + "context_parallel"),  # cp with PP / MoE / ... (context_rules)
+    "cp_seq": Rule(_F, "split", "model.seq_length"),                       # seq % 2cp, (seq / cp) % tp
     "tp_heads": Rule(_F, "split", _P + "tensor_parallel"),                 # num_heads % tp
     "tp_kv_heads": Rule(_F, "split", _P + "tensor_parallel"),              # num_kv_heads % tp
     "tp_ffn": Rule(_F, "split", _P + "tensor_parallel"),                   # intermediate_size % tp
     "tp_seq": Rule(_F, "split", "model.seq_length"),                       # seq_length % tp (sequence parallel)
     "tp_vocab": Rule(_W, "advice", "model.vocab_size"),                    # vocab % tp: uneven shards
     "tp_compile": Rule(_W, "advice", "train.compile"),                     # compile with tp > 1: runs eager
-    "moe_tp_pp": Rule(_F, "unsupported", "model.moe.num_experts"),         # MoE with tp > 1 or pp > 1
+    "moe_tp_pp": Rule(_F, "unsupported", "model.moe.num_experts"),         # MoE with tp > 1 (pp is supported)
     "ep_without_moe": Rule(_F, "unsupported", _P + "expert_parallel"),     # ep > 1, no MoE blocks
     "ep_equals_dp": Rule(_F, "unsupported", _P + "expert_parallel"),       # ep > 1 and ep != dp
     "ep_hsdp": Rule(_F, "unsupported", _P + "data_parallel_replicate"),    # ep > 1 with HSDP
@@ -279,18 +281,9 @@ def layout_problems(cfg: Config, world_size: int, model: ModelShape | None = Non
     if out:
         return out
     dims = degrees(p, world_size)
-    tp, cp, dp = dims.tp, dims.cp, dims.dp
-    if cp > 1:
-        out.add(
-            "context_parallel",
-            f"parallel.context_parallel {cp} is not supported: on the CPU torch's context_parallel cannot run at "
-            "all (its ring attention only shards the CUDA SDPA kernels, flash / efficient / cuDNN, and the CPU "
-            "kernel aten._scaled_dot_product_flash_attention_for_cpu has no sharding strategy, measured with "
-            "gloo), and on accelerators its ring attention supports only plain causal masks, while this "
-            "codebase also uses document masks and ALiBi, and the path is not wired and loss-parity tested in "
-            "this version. Set parallel.context_parallel: 1; for long sequences use recompute.mode: full with "
-            "tensor_parallel (sequence parallel shards activations along the sequence) or pipeline_parallel.",
-        )
+    tp, dp = dims.tp, dims.dp
+    for rule, message in cp_problems(cfg, model, dims):  # context parallel: llmtrain/context_rules.py
+        out.add(rule, message)
     if model is not None and tp > 1:
         _tp_split(out, model, tp, cfg.model.seq_length)
     if cfg.train.compile and tp > 1:
@@ -349,7 +342,7 @@ def _tp_split(out: _Found, m: ModelShape, tp: int, seq: int) -> None:
             "tp_seq",
             f"model.seq_length {seq} is not divisible by parallel.tensor_parallel {tp}: sequence parallel splits "
             f"every sequence into {tp} equal slices between the blocks. Use a multiple of {tp} (e.g. "
-            f"{max(seq // tp * tp, tp)} or {(seq // tp + 1) * tp}), or another tensor_parallel.{hint}",
+            f"{max(seq // tp, 1) * tp} or {(max(seq // tp, 1) + 1) * tp}), or another tensor_parallel.{hint}",
         )
     if m.vocab_size % tp:
         out.add(
@@ -361,12 +354,12 @@ def _tp_split(out: _Found, m: ModelShape, tp: int, seq: int) -> None:
 
 def _moe(out: _Found, m: ModelShape, dims: Degrees) -> None:
     n, ep, dp = m.num_experts, dims.ep, dims.dp
-    if n and (dims.tp > 1 or dims.pp > 1):
+    if n and dims.tp > 1:  # (the rule's name predates MoE under pipeline parallel, which works)
         out.add(
             "moe_tp_pp",
-            f"an MoE model (model.moe.num_experts {n}) with tensor_parallel {dims.tp} / pipeline_parallel "
-            f"{dims.pp} is not supported yet: set both to 1 and use data parallel (ZeRO 0-3) with "
-            "expert_parallel.",
+            f"an MoE model (model.moe.num_experts {n}) with tensor_parallel {dims.tp} is not supported yet: set "
+            "tensor_parallel to 1 and shard the experts with expert_parallel (with data parallel, and pipeline "
+            "parallel if the model needs it).",
         )
     elif ep > 1 and not (n and m.num_moe_layers):
         out.add(

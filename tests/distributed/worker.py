@@ -5,6 +5,10 @@
 SPEC: {"base": config dict, "steps": k, "variants": {name: nested overrides}}. For every variant every rank
 builds a Trainer (sharing the process group) and takes k steps; rank 0 writes {name: {"loss": [...],
 "grad_norm": [...]}} to OUT. Launching once per world size keeps the suite fast (torch import ~2 s/process).
+
+Variant options (popped before the config is merged): ``count_comm`` (True: the bytes every collective of
+torch.distributed's API moves, per step and per call name, from wrapped real calls: ``CommCounter``),
+``fp8_emulate`` (True: torchao's emulated fp8 GEMMs, so train.fp8 runs on CPU), plus those below.
 """
 
 from __future__ import annotations
@@ -29,20 +33,71 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
+class CommCounter:
+    """Wraps torch.distributed's collectives (the names FSDP2 and the trainer call through ``dist.``) and sums
+    the bytes of each call's largest tensor: the full payload (all-reduce: the tensor; reduce-scatter: its
+    input; all-gather: its output). ``counting`` switches it on only around the train steps."""
+
+    NAMES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+             "all_gather_single", "all_to_all_single", "broadcast")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.counting = False
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            if self.counting:
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                size = max((t.numel() * t.element_size() for t in tensors), default=0)
+                self.bytes[name] = self.bytes.get(name, 0) + size
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def take(self) -> dict:
+        out = {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+        self.bytes.clear()
+        self.calls.clear()
+        return out
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     torch.set_num_threads(1)
     results = {}
+    counter = None
     for name, over in spec["variants"].items():
         over = dict(over)
+        count_comm = over.pop("count_comm", False)
+        if over.pop("fp8_emulate", False):
+            from llmtrain.distributed import float8
+
+            float8.EMULATE = True
+        if count_comm and counter is None:
+            counter = CommCounter()
         save_after = over.pop("save_after_steps", False)  # True: checkpoint after the steps (resume tests)
         with_val = over.pop("validate", False)  # True: also report the validation loss after the steps
         dump = over.pop("dump_state", None)  # PATH: rank 0 torch.saves the full (gathered) model state dict
         cfg = merge(spec["base"], over)
         cfg["run"]["output_dir"] = tempfile.mkdtemp(prefix=f"parity-{name}-")
         trainer = Trainer(config_from_dict(cfg))
-        outs = [trainer.train_step() for _ in range(spec["steps"])]
+        outs, comm = [], []
+        for _ in range(spec["steps"]):
+            if counter is not None:
+                counter.counting = count_comm
+            outs.append(trainer.train_step())
+            if counter is not None:
+                counter.counting = False
+                comm.append(counter.take())
         results[name] = {"loss": [o["loss"] for o in outs], "grad_norm": [o["grad_norm"] for o in outs]}
+        if count_comm:
+            results[name]["comm"] = comm
         if save_after:
             trainer.save()
             trainer.checkpointer.wait()

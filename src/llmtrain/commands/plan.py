@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int_at_least(1), default=5, help="layouts shown by --search")
     parser.add_argument("--claim", action="append", default=[], metavar="KEY=VALUE",
                         help=f"check a stated figure; KEY one of {', '.join(CLAIM_KEYS)}")  # fmt: skip
+    parser.add_argument("--engine", default="llmtrain", choices=("llmtrain", "megatron", "nemo"),
+                        help="how the layout is executed: llmtrain (this trainer, default), megatron "
+                        "(bf16 weights, SP inputs saved sharded, fused kernels) or nemo (megatron with NeMo's "
+                        "distributed Adam); see llmtrain/plan/layout.py")  # fmt: skip
+    parser.add_argument("--tp-overlap", action="store_true",
+                        help="TP collectives overlap with the GEMMs (Megatron --tp-comm-overlap, async TP)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -46,5 +52,7 @@ def main(args: argparse.Namespace) -> int:
         top=args.top,
         claims=args.claim,
         as_json=args.json,
+        engine=args.engine,
+        tp_overlap=args.tp_overlap,
     )
     return 0

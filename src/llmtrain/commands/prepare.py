@@ -5,8 +5,12 @@
         [--seq-length T] [--num-shards N] [--workers N] [--on-error raise|skip] [--rejects FILE]
         [--partition I/N] [--text-key text] [--eos-token TOKEN] [--max-documents N] [--overwrite]
         [--mindrecord-field input_ids]
+        [--engine local|ray] [--ray-address ADDR] [--partitions P] [--buckets B] [--stage S [--task K]]
+    llmtrain prepare --plan PATHS... [--tokenizer FILE] [--dedup ...] [--plan-cores 1,16,64] [--plan-hours 12]
 
-The flags, merged over the ``data.prepare`` section of ``--config`` (a flag given wins), become the arguments
+``--dedup`` runs the staged path (``data/prep/stages``): ``--engine`` picks where its tasks run, ``--stage S
+--task K`` runs one task for a scheduler (scripts/prepare_staged_slurm.sh), ``--plan`` only estimates the time
+and disk of a run from rates measured on a sample of the inputs. The flags, merged over the ``data.prepare`` section of ``--config`` (a flag given wins), become the arguments
 of :func:`llmtrain.data.prep.prepare.prepare`, which does the work (stages, resume, partitions: see there).
 """
 
@@ -28,13 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--input",
         nargs="+",
-        required=True,
         metavar="PATH",
         help="jsonl/txt/parquet files (.gz/.zst), globs, dirs; or a MindRecord dataset (NAME.mindrecord, NAME0)",
     )
     a(
         "--output",
-        required=True,
         metavar="PREFIX",
         type=output_prefix,
         help="writes PREFIX[_NNNNN].bin/.idx, manifest, report",
@@ -71,6 +73,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="MindRecord input: the field of token ids, one pre-packed sample per row (default: input_ids)",
     )
+    g = parser.add_argument_group("staged dedup (the path of --dedup; docs/data.md)").add_argument
+    g(
+        "--engine",
+        choices=["local", "ray"],
+        help="where the stage tasks run (default: local, --workers processes)",
+    )
+    g("--ray-address", metavar="ADDR", help="join this Ray cluster (default: a local Ray of --workers CPUs)")
+    g(
+        "--partitions",
+        type=int_at_least(1),
+        metavar="P",
+        help="tasks of stages 1 and 4 (default: from files, workers)",
+    )
+    g(
+        "--buckets",
+        type=int_at_least(1),
+        metavar="B",
+        help="hash buckets of band keys: tasks of stage 2 (default: P)",
+    )
+    g("--stage", type=int, choices=range(1, 6), metavar="S", help="run only stage S: 1 screen, 2 pairs, 3 components, "
+      "4 tokenize, 5 write (a scheduler's job)")  # fmt: skip
+    g("--task", type=int_at_least(0), metavar="K", help="with --stage: run only task K (an array index)")
+    g("--plan", nargs="+", metavar="PATH", help="estimate time and disk for these inputs, then exit")
+    g("--plan-cores", default="1,16,64,256,1024", metavar="N,N..", help="core counts --plan prints")
+    g("--plan-hours", type=float, default=12.0, metavar="H", help="--plan: cores needed to finish in H hours")
 
 
 FLAG_OPTIONS = ("text_key", "clean", "mojibake", "filter", "dedup", "pack", "seq_length", "num_shards",
@@ -78,9 +105,41 @@ FLAG_OPTIONS = ("text_key", "clean", "mojibake", "filter", "dedup", "pack", "seq
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``prepare`` from parsed flags; returns the exit code."""
-    from llmtrain.data.prep.pipeline import options_from
+    """Run ``prepare`` (or, with ``--plan``, its estimate) from parsed flags; returns the exit code."""
     from llmtrain.data.prep.prepare import prepare
+
+    if args.plan:
+        from llmtrain.data.prep.stages.plan import print_plan
+
+        print_plan(args.plan, args, _options(args))
+        return 0
+    if not args.input or not args.output:
+        raise ConfigError(
+            "prepare needs --input PATHS... and --output PREFIX (or --plan PATHS... for an estimate only)."
+        )
+    prepare(
+        inputs=args.input,
+        output=args.output,
+        tokenizer=args.tokenizer,
+        train_tokenizer=args.train_tokenizer,
+        workers=args.workers,
+        eos_token=args.eos_token,
+        max_documents=args.max_documents,
+        options=_options(args),
+        partition=parse_partition(args.partition) if args.partition else None,
+        overwrite=args.overwrite,
+        mindrecord_field=args.mindrecord_field,
+        stages={k: getattr(args, k) for k in STAGE_FLAGS if getattr(args, k) is not None} or None,
+    )
+    return 0
+
+
+STAGE_FLAGS = ("engine", "ray_address", "partitions", "buckets", "stage", "task")
+
+
+def _options(args: argparse.Namespace):
+    """The PrepareOptions of the flags over the ``data.prepare`` section of ``--config``."""
+    from llmtrain.data.prep.pipeline import options_from
 
     section: dict = {}
     if args.config:
@@ -90,20 +149,7 @@ def main(args: argparse.Namespace) -> int:
             continue  # the flag's default does not override the config
         if getattr(args, name, None) is not None:
             section[name] = getattr(args, name)
-    prepare(
-        inputs=args.input,
-        output=args.output,
-        tokenizer=args.tokenizer,
-        train_tokenizer=args.train_tokenizer,
-        workers=args.workers,
-        eos_token=args.eos_token,
-        max_documents=args.max_documents,
-        options=options_from(section),
-        partition=parse_partition(args.partition) if args.partition else None,
-        overwrite=args.overwrite,
-        mindrecord_field=args.mindrecord_field,
-    )
-    return 0
+    return options_from(section)
 
 
 def _prepare_section(path: str) -> dict:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from llmtrain.config.survival import FaultConfig, StabilityConfig
+
 
 @dataclass
 class MoEConfig:
@@ -40,6 +42,15 @@ class MoEConfig:
     """MoE in one block of every N (block i is MoE when (i + 1) % N == 0, Qwen's decoder_sparse_step)."""
     first_dense_layers: int | None = None
     """The first N blocks stay dense (DeepSeek's first_k_dense_replace)."""
+    shared_expert_gate: bool | None = None
+    """Scale the shared experts' output per token by sigmoid(x . gate) (Qwen2-MoE's shared_expert_gate)."""
+    n_group: int | None = None
+    """Group-limited routing (DeepSeek-V3: 8): the experts form n_group groups and each token picks its top_k
+    experts inside its topk_group best groups (a group scores by the sum of its two best scores); 1 = off."""
+    topk_group: int | None = None
+    """Groups each token may route to (DeepSeek-V3: 4)."""
+    routed_scaling_factor: float | None = None
+    """Multiplies the routed experts' weights after route_norm (DeepSeek-V3: 2.5); 1 = off."""
 
 
 @dataclass
@@ -47,7 +58,7 @@ class ModelConfig:
     """Architecture of a decoder-only transformer. Unset (None) fields take the flavor's value."""
 
     model_type: str = "llama3"
-    """Model family: llama3 (alias llama), qwen2, qwen3, glm4, baichuan2."""
+    """Model family: llama3 (alias llama), qwen2, qwen3, glm4, baichuan2, mistral, mixtral, deepseek_v3."""
     flavor: str | None = None
     """Named size within the family (debug, demo, 8b, 70b, ...); explicit fields below override it."""
     hidden_size: int | None = None
@@ -97,10 +108,29 @@ class ModelConfig:
     """Biases on the three MLP projections (Hugging Face Llama's mlp_bias)."""
     attention_out_bias: bool | None = None
     """Bias on the attention output projection (with qkv_bias, Hugging Face Llama / Qwen3 attention_bias)."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Mistral, Qwen): a token sees itself and sliding_window - 1 before it; 0 = off."""
+    sliding_window_layers: list[int] | None = None
+    """Blocks (0-based) that use the sliding window; None: every block (Qwen's layer_types pick some)."""
+    post_norms: bool | None = None
+    """Extra RMSNorms on the attention and MLP outputs before each residual add (GLM-4-0414)."""
+    kv_lora_rank: int | None = None
+    """Multi-head latent attention (DeepSeek-V3: 512) when > 0: keys and values come from a compressed latent
+    of this width (what the KV cache holds); 0: grouped-query attention."""
+    q_lora_rank: int | None = None
+    """MLA query compression rank (DeepSeek-V3: 1536); 0: queries from one projection."""
+    qk_nope_head_dim: int | None = None
+    """MLA per-head query/key width without RoPE (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int | None = None
+    """MLA per-head rotary query/key width, shared key across heads (DeepSeek-V3: 64); head_dim is this."""
+    v_head_dim: int | None = None
+    """MLA per-head value width (DeepSeek-V3: 128)."""
     use_flash_attention: bool = True
     """Use torch's scaled_dot_product_attention (flash / memory-efficient kernels where the device has them)."""
     document_mask: bool = False
     """Mask attention across document boundaries inside packed sequences (needs EOS-separated samples)."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """sdpa (dense masks), flex (block-sparse FlexAttention) or auto: flex for document masks on CUDA."""
     init_std: float = 0.02
     """Standard deviation of the normal init of weight matrices."""
     init_from: str | None = None
@@ -148,6 +178,8 @@ class ParallelConfig:
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in host memory (FSDP2 CPUOffloadPolicy; the
     seed's heterogeneous memory). Applies to the FSDP-wrapped (data-parallel) layouts."""
+    reduce_grads: Literal["auto", "per_step", "per_microbatch"] = "auto"
+    """DP gradient reduction under accumulation: auto, per_step or per_microbatch (docs/parallelism.md)."""
 
     def effective_zero_stage(self) -> int:
         """The ZeRO stage after resolving the seed's use_zero/zero_level spelling."""
@@ -208,6 +240,8 @@ class TrainConfig:
     """Steps without overflow before the dynamic loss scale doubles."""
     label_smoothing: float = 0.0
     """Label smoothing of the cross-entropy loss."""
+    loss_chunk_tokens: int | None = None
+    """Loss in token chunks of this size (0: off; None: auto, 2048 at vocab >= 64K without TP/PP)."""
     seed: int = 1234
     """Seed of the model init, data order and dropout."""
     log_steps: int = 10
@@ -216,6 +250,8 @@ class TrainConfig:
     """Validate every this many steps (0: only at the end)."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """FP8 GEMMs of the blocks' linears (torchao; CUDA >= 8.9): none, tensorwise or rowwise (docs/precision.md)."""
 
 
 @dataclass
@@ -304,12 +340,23 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation on the held-out split."""
+    """Validation on the held-out split, and downstream tasks scored with lm-evaluation-harness (llmtrain/eval/)."""
 
     eval_iters: int = 10
     """Micro-batches per validation."""
     at_start: bool = True
-    """Also validate before the first step (step 0)."""
+    """Also validate (and score eval.tasks) before the first step (step 0)."""
+    tasks: list[str] = field(default_factory=list)
+    """Downstream tasks: shipped names (stdlib_mc, stdlib_ppl) or lm-eval task YAML paths with local data only
+    (dataset_path: json + data_files); empty = none. Needs the eval extra (pip install llmtrain[eval])."""
+    downstream_steps: int = 0
+    """Score eval.tasks every N steps (and at the end) with the current weights; 0 = off."""
+    limit: int | None = None
+    """Items per task (the first N); None = all."""
+    num_fewshot: int | None = None
+    """Few-shot examples per item; None = each task's own default."""
+    batch_size: int = 8
+    """Sequences per forward pass of the downstream evaluation."""
 
 
 @dataclass
@@ -334,82 +381,10 @@ class RunConfig:
 class RecomputeConfig:
     """Activation recomputation (checkpointing), applied per transformer block from outside the model."""
 
-    mode: Literal["none", "selective", "full"] = "none"
-    """none, selective (every `every`-th block is recomputed) or full (every block)."""
+    mode: Literal["none", "selective", "full", "offload"] = "none"
+    """none, selective (every `every`-th block), full (every block), offload (every block's saved tensors to host)."""
     every: int = 2
     """With mode selective: recompute one block in this many."""
-
-
-@dataclass
-class StabilityConfig:
-    """Loss-spike and NaN guard: detection rules, rollback and data skipping (train/stability.py)."""
-
-    enabled: bool = True
-    """Watch the run at all."""
-    rule: Literal["mad", "sigma", "ratio"] = "mad"
-    """Spike rule: mad (median + k * MAD), sigma (mean + k * std) or ratio (r x the recent median)."""
-    watch: list[Literal["loss", "grad_norm"]] = field(default_factory=lambda: ["loss"])
-    """Metrics the rule is applied to: loss and/or grad_norm."""
-    window: int = 50
-    """Good steps in the rolling window of statistics."""
-    min_history: int = 20
-    """Good steps needed before spikes are looked for."""
-    k: float = 6.0
-    """Threshold of the mad and sigma rules, in robust standard deviations."""
-    ratio: float = 2.0
-    """Threshold of the ratio rule: anomalous above ratio x the window median."""
-    min_rel_increase: float = 0.05
-    """An anomaly must also exceed the window median by this fraction of it."""
-    consecutive: int = 3
-    """Anomalous steps in a row that make a spike (the seed: 10 steps above 2x)."""
-    max_nonfinite_steps: int = 5
-    """NaN/Inf steps in a row (each skipped) that force a rollback."""
-    max_rollbacks: int = 5
-    """Rollbacks allowed in a run; one more is give_up."""
-    skip_batches: int = 0
-    """Global batches to skip after the restored checkpoint; 0 skips exactly up to the detecting step."""
-    margin_steps: int = 0
-    """Restore a checkpoint at least this many steps before the first anomalous step (PaLM: ~100)."""
-    lr_factor: float = 1.0
-    """Multiply the LR by this after a rollback (1.0: unchanged)..."""
-    lr_factor_steps: int = 0
-    """... for this many steps after the restored step."""
-    snapshot_max_gb: float = 4.0
-    """Keep the newest checkpoint's state in host memory when it is at most this large (0: never)."""
-
-
-@dataclass
-class FaultConfig:
-    """Injected faults for tests and drills (train/fault.py). Empty = no faults."""
-
-    kill_at_step: list[int] = field(default_factory=list)
-    """Kill ``rank`` with SIGKILL at the start of these steps."""
-    hang_at_step: list[int] = field(default_factory=list)
-    """Hang ``rank`` (sleep ``hang_seconds``) at the start of these steps."""
-    hang_seconds: float = 3600.0
-    """How long an injected hang sleeps (the watchdog should fire first)."""
-    nan_at_step: list[int] = field(default_factory=list)
-    """Poison the loss (nan_target: loss) or a gradient (grad) with NaN at these steps."""
-    nan_target: Literal["loss", "grad"] = "loss"
-    """Where the NaN goes: loss or grad."""
-    spike_at_step: list[int] = field(default_factory=list)
-    """Corrupt the batch tokens (random labels) at these steps: a loss spike."""
-    spike_steps: int = 1
-    """Consecutive steps corrupted from each spike_at_step."""
-    crash_in_save_at_step: list[int] = field(default_factory=list)
-    """Truncate a data file of the checkpoint being written at these steps, then SIGKILL (before commit)."""
-    corrupt_checkpoint_at_step: list[int] = field(default_factory=list)
-    """After committing the checkpoint of these steps, damage one of its .distcp files."""
-    corrupt_mode: Literal["flip", "truncate"] = "flip"
-    """flip (one byte changed) or truncate (half the file)."""
-    rank: int = 0
-    """The rank that is killed, hung or gets the NaN (-1: every rank)."""
-    slow_rank: int = -1
-    """Slow this rank down on every step by sleeping slow_seconds before it (straggler drills; -1: none)."""
-    slow_seconds: float = 0.0
-    """Sleep per step of slow_rank."""
-    seed: int = 0
-    """Seed of the corrupted tokens."""
 
 
 @dataclass

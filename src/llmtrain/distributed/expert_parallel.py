@@ -24,8 +24,9 @@ back: expert gradients come out exact, token gradients unchanged.
 ``parallel.enable_alltoall``: the dispatch is always the all-to-all above (gloo and NCCL both implement
 ``all_to_all_single``); the key is informational. Not supported, refused by :mod:`llmtrain.feasibility` before
 anything is built (rules ep_without_moe, ep_equals_dp, ep_hsdp, ep_experts, moe_tp_pp): ep != dp, HSDP
-meshes with EP, tensor or pipeline parallel together with MoE, a model without MoE blocks, a number of experts
-ep does not divide.
+meshes with EP, tensor parallel together with MoE, a model without MoE blocks, a number of experts ep does not
+divide. With pipeline parallel each stage module's experts are sharded over the data-parallel ranks of its stage
+(``parallelize`` runs per stage module), which dispatch in the same schedule order.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class _Dispatcher:
 
 def ep_mesh_for(dims: ParallelDims, world: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of the data-parallel ranks that experts are sharded over. The layout was checked by
-    :mod:`llmtrain.feasibility` (ep == dp, no TP / PP / CP, no HSDP): one of dp_shard / dp_replicate is 1."""
+    :mod:`llmtrain.feasibility` (ep == dp, no TP / CP, no HSDP): one of dp_shard / dp_replicate is 1."""
     return world["dp_shard"] if dims.dp_shard > 1 else world["dp_replicate"]
 
 

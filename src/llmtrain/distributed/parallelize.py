@@ -1,6 +1,8 @@
 """Apply the parallel layout to a model built on the meta device, from outside the model.
 
-Fixed order (torchtitan's): tensor parallel -> activation recompute -> compile -> FSDP. The model is still on
+Fixed order (torchtitan's): [fp8 swap] -> tensor parallel -> activation recompute -> compile -> FSDP. With
+``train.fp8`` the blocks' linear layers first become torchao's ``Float8Linear`` (distributed/float8.py: before
+TP, compile and FSDP; tensorwise under FSDP all-gathers the weights in fp8). The model is still on
 the meta device; the trainer materializes it afterwards (``to_empty`` + ``init_weights``), so no rank ever holds
 more than its shard.
 
@@ -22,6 +24,9 @@ stage  what is sharded over data parallel    how
 =====  ====================================  =====================================================
 
 HSDP (``parallel.data_parallel_replicate`` > 1): shard within groups, replicate across them (2-D mesh).
+Under gradient accumulation the reductions run once per optimizer step for stages 0-2 and for the replicate
+dim of HSDP, per micro-batch for ZeRO-3's reduce-scatter unless ``parallel.reduce_grads: per_step``: the
+switches are set per micro-batch by the train step (distributed/grad_sync.py, which also gives the memory).
 ``parallel.cpu_offload`` adds FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer states live
 in host memory; the optimizer step runs on the CPU).
 
@@ -75,7 +80,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
 
 def apply_recompute(model: Transformer, mode: str, every: int) -> None:
     """Wrap blocks in activation checkpointing: all of them (full) or one in ``every`` (selective)."""
-    if mode == "none":
+    if mode in ("none", "offload"):  # offload: saved-tensor hooks after compile (distributed/offload.py)
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -107,7 +112,14 @@ def apply_fsdp(
 
 
 def dp_mesh_for(dims: ParallelDims, world: DeviceMesh, zero_stage: int) -> DeviceMesh:
-    """The mesh FSDP2 shards/replicates over: 2-D (replicate, shard) for HSDP and for stage 0, else 1-D."""
+    """The mesh FSDP2 shards/replicates over: 2-D (replicate, shard) for HSDP and for stage 0, else 1-D. Under
+    context parallel the shard dim is the flattened ``dp_shard x cp`` (CP ranks hold replicas: they shard)."""
+    if dims.cp > 1:
+        import warnings
+
+        with warnings.catch_warnings():  # slicing a flattened dim from the root mesh: deprecated, still works
+            warnings.simplefilter("ignore")
+            return world["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else world["dp_shard_cp"]
     if zero_stage == 0 or dims.dp_replicate > 1:
         return world["dp_replicate", "dp_shard"]
     return world["dp_shard"]
@@ -116,9 +128,15 @@ def dp_mesh_for(dims: ParallelDims, world: DeviceMesh, zero_stage: int) -> Devic
 def parallelize(
     model: Transformer, cfg: Config, dims: ParallelDims, world: DeviceMesh | None, device_type: str
 ) -> bool:
-    """Apply TP -> recompute -> compile -> FSDP as configured. Returns True when FSDP wraps the model (its
-    gradient reduction then averages over the data-parallel ranks)."""
+    """Apply [fp8] -> TP -> recompute -> compile -> FSDP as configured. Returns True when FSDP wraps the model
+    (its gradient reduction then averages over the data-parallel ranks)."""
     require_feasible(cfg, dims.world_size, model.args)  # validation already refused the others
+    model.attention_impl = cfg.model.attention  # sdpa | flex | auto, per forward (models/common/flex.py)
+    fsdp = dims.dp > 1 or dims.cp > 1  # CP ranks' gradients are reduced by FSDP over dp_shard x cp
+    if cfg.train.fp8 != "none":  # module swap first: TP, recompute, compile and FSDP see Float8Linear
+        from llmtrain.distributed.float8 import apply_float8
+
+        apply_float8(model, cfg, device_type, fsdp_all_gather=fsdp and dims.dp_shard > 1)
     expert_params: set = set()
     if dims.ep > 1:  # experts sharded over the dp ranks, before FSDP (which must then ignore them)
         from llmtrain.distributed import expert_parallel
@@ -129,11 +147,19 @@ def parallelize(
     if dims.tp > 1:
         assert world is not None
         apply_tp(model, world["tp"])
+    if dims.cp > 1:  # sequence split, K/V all-gather in attention (distributed/context_parallel.py)
+        from llmtrain.distributed.context_parallel import apply_cp
+
+        assert world is not None
+        apply_cp(model, world["cp"])
     apply_recompute(model, cfg.recompute.mode, cfg.recompute.every)
     if cfg.train.compile and dims.tp == 1:  # with TP the blocks run eagerly (feasibility warning tp_compile)
         for key, block in list(model.layers.items()):
             model.layers[key] = cast(nn.Module, torch.compile(block))  # an OptimizedModule wrapping block
-    fsdp = dims.dp > 1
+    if cfg.recompute.mode == "offload":  # hooks on the (compiled) blocks, names unchanged, before FSDP
+        from llmtrain.distributed.offload import apply_offload
+
+        apply_offload(model, device_type)
     if fsdp:
         assert world is not None
         zero = cfg.parallel.effective_zero_stage()

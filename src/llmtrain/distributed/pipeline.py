@@ -29,6 +29,9 @@ asserts it with the same function before building. Context parallel (``parallel.
 refused there too, with its reason (torch's ring attention has no CPU kernel strategy, and on accelerators it
 covers only plain causal masks, not this codebase's document masks).
 
+MoE blocks (expert counts for the aux-loss-free bias, the aux-loss gradient scale) are accounted per pipeline
+micro-batch by ``models/common/moe.PipelineMoEStats``, hooked on the stage modules.
+
 Every stage gets ``position_ids [B, T]`` as a keyword argument: under sequence parallel a middle stage
 receives only its sequence slice ``[B, T / tp, dim]`` and could not infer the full length from its input.
 """
@@ -55,6 +58,7 @@ from llmtrain.feasibility import (
     schedule_name,
 )
 from llmtrain.models import Transformer
+from llmtrain.models.common.moe import PipelineMoEStats, moe_layers
 
 # config name -> torch.distributed.pipelining class name (explicit registry; imported lazily)
 SCHEDULES: dict[str, str] = {
@@ -171,6 +175,7 @@ class PipelineRunner:
         schedule_cls = getattr(pipelining, SCHEDULES[name])
         stages = self.stages[0] if name in SINGLE_STAGE else self.stages
         self.schedule = schedule_cls(stages, n_microbatches=self.n_mb, loss_fn=self._loss, scale_grads=False)
+        self.moe = PipelineMoEStats(self.parts) if moe_layers(self.model) else None
 
     def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one pipeline micro-batch: logits [b, T, vocab], labels [b, T]."""
@@ -226,8 +231,14 @@ class PipelineRunner:
         args, kwargs, labels = self._inputs(micro_batches)
         recorded: list[torch.Tensor] = []
         self._state = _StepState(transform, scale, recorded)
+        tokens_per_mb = 0.0
+        if self.moe is not None:  # the aux loss of each pipeline micro-batch weighs its (mean) tokens
+            tokens_per_mb = int((labels != -100).sum()) / self.n_mb
+            self.moe.before_step(self.model, tokens_per_mb * scale)
         with autocast(self.cfg.train.precision, self.device.type):
             self.schedule.step(*args, target=labels, return_outputs=False, **kwargs)
+        if self.moe is not None:
+            self.moe.after_step(self.model, self.n_mb, tokens_per_mb)
         self._state = _StepState()
         return self._reduce(recorded)
 

@@ -1,7 +1,7 @@
 """Model families and their named flavors; the entry points the trainer, planner and exporter use.
 
 ``FAMILIES`` maps a ``model.model_type`` (``llama3`` and its alias ``llama``, ``qwen2``, ``qwen3``, ``glm4``,
-``baichuan2``) to a :class:`FamilySpec`: defaults, flavors and the Hugging Face adapter module (``spec.hf``
+``baichuan2``, ``mistral``, ``mixtral``, ``deepseek_v3``) to a :class:`FamilySpec`: defaults, flavors and the Hugging Face adapter module (``spec.hf``
 with ``from_hf_state_dict``, ``to_hf_state_dict``, ``to_hf_config``, ``args_from_hf_config``). All families
 share one single-device :class:`Transformer`; parallelism is applied to it from outside.
 
@@ -24,8 +24,11 @@ from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.family import FamilySpec, resolve
 from llmtrain.models.common.kv_cache import KVCache
 from llmtrain.models.common.transformer import Transformer
+from llmtrain.models.deepseek import DEEPSEEK_V3
 from llmtrain.models.glm import GLM4
 from llmtrain.models.llama import LLAMA3
+from llmtrain.models.mistral import MISTRAL
+from llmtrain.models.mixtral import MIXTRAL
 from llmtrain.models.qwen import QWEN2, QWEN3
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -35,6 +38,9 @@ FAMILIES: dict[str, FamilySpec] = {
     "qwen3": QWEN3,
     "glm4": GLM4,
     "baichuan2": BAICHUAN2,
+    "mistral": MISTRAL,
+    "mixtral": MIXTRAL,
+    "deepseek_v3": DEEPSEEK_V3,
 }
 
 

@@ -10,7 +10,7 @@ before anything is loaded, so a config.json that does not belong to its weights 
 the tensor, not a failure half-way through the copy.
 
 Export (``save_hf``): our state dict -> HF names (``to_hf_state_dict``), the tied output matrix dropped (HF
-re-ties it from ``tie_word_embeddings``), cast to ``dtype``, written as ``model.safetensors`` or, above
+re-ties it from ``tie_word_embeddings``), cast to ``dtype`` (but the adapter's ``KEEP_FP32`` tensors), written as ``model.safetensors`` or, above
 ``max_shard_bytes``, as ``model-0000i-of-0000n.safetensors`` plus an index; ``config.json`` is ``base_config``
 (the imported model's own config.json, so every key it had comes back) or ``to_hf_config``, and
 ``generation_config.json``. The tokenizer and the atomic placement of the directory are ``llmtrain.export``'s.
@@ -37,6 +37,19 @@ HF_MODEL_TYPES: dict[str, str] = {
     "qwen3": "qwen3",
     "glm": "glm4",
     "baichuan": "baichuan2",
+    "mistral": "mistral",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2",
+    "qwen3_moe": "qwen3",
+    "glm4": "glm4",  # GLM-4-0414 (post norms)
+    "deepseek_v3": "deepseek_v3",
+}
+# config.json model_type -> why it is refused (named instead of the generic "not supported").
+REFUSED_MODEL_TYPES: dict[str, str] = {
+    kind: "Gemma's RMSNorm scales by (1 + weight), the embeddings are multiplied by sqrt(hidden_size), the MLP is "
+    "GeGLU and Gemma 2 / 3 add logit soft-capping, alternating local / global attention and extra norms; "
+    "llmtrain's blocks implement none of these, so the model would compute something else"
+    for kind in ("gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma")
 }
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,6 +77,26 @@ ARCH_FIELDS = (
     "rope_scaling",
     "partial_rotary_factor",
     "rope_interleaved",
+    "sliding_window",
+    "sliding_window_layers",
+    "post_norms",
+    "num_experts",
+    "top_k",
+    "moe_hidden_size",
+    "shared_experts",
+    "shared_expert_gate",
+    "router_score",
+    "route_norm",
+    "moe_every",
+    "first_dense_layers",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
 )
 
 
@@ -96,6 +129,11 @@ def read_hf_config(path: str | Path) -> tuple[dict[str, Any], TransformerArgs]:
         )
     d = read_json_object(cfg_file, "model config")
     family = HF_MODEL_TYPES.get(str(d.get("model_type")))
+    if str(d.get("model_type")) in REFUSED_MODEL_TYPES:
+        raise ConfigError(
+            f"{cfg_file}: model_type {d['model_type']!r} is refused: "
+            f"{REFUSED_MODEL_TYPES[str(d['model_type'])]}. Supported: {', '.join(HF_MODEL_TYPES)}."
+        )
     if family is None:
         raise CheckpointError(
             f"{cfg_file}: model_type {d.get('model_type')!r} is not supported; supported: "
@@ -301,8 +339,17 @@ def save_hf(
     hf_sd = adapter.to_hf_state_dict(state_dict, args)
     if args.tie_word_embeddings:
         hf_sd.pop("lm_head.weight", None)
-    hf_sd = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous().clone() for k, v in hf_sd.items()}
-    config = hf_config_for(args, base_config, next(iter(hf_sd.values())).dtype, eos_id, bos_id)
+    # an adapter's KEEP_FP32 names tensors its checkpoints store in fp32 whatever the dtype (DeepSeek's
+    # e_score_correction_bias); config.json's dtype is the other tensors'
+    keep = tuple(getattr(adapter, "KEEP_FP32", ()))
+
+    def cast(k: str, v: torch.Tensor) -> torch.Tensor:
+        to = torch.float32 if k.endswith(keep) else dtype or v.dtype
+        return v.detach().to("cpu", dtype=to).contiguous().clone()
+
+    hf_sd = {k: cast(k, v) for k, v in hf_sd.items()}
+    main_dtype = next((v.dtype for k, v in hf_sd.items() if not k.endswith(keep)), torch.float32)
+    config = hf_config_for(args, base_config, main_dtype, eos_id, bos_id)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []

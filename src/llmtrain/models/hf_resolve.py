@@ -24,29 +24,16 @@ from typing import Any
 from llmtrain.config.schema import ModelConfig
 from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.models import TransformerArgs, get_family, resolve_model_args
+from llmtrain.models.common.family import OVERRIDABLE
 from llmtrain.models.common.rope import normalize_rope_scaling
 
 # ModelConfig fields that name an architecture setting (same name on TransformerArgs).
+# The shape fields first (``_FROM_FLAVOR`` takes them), then every other architecture field; vocab_size is part
+# of a checkpoint's shape, max_position_embeddings is metadata (kept, not compared).
 COMPARED = (
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "intermediate_size",
-    "head_dim",
+    *OVERRIDABLE[:6],
     "vocab_size",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_scaling",
-    "position_embedding",
-    "partial_rotary_factor",
-    "qkv_bias",
-    "qk_norm",
-    "norm_head",
-    "tie_word_embeddings",
-    "hidden_act",
-    "mlp_bias",
-    "attention_out_bias",
+    *(k for k in OVERRIDABLE[6:] if k != "max_position_embeddings"),
 )
 _FROM_FLAVOR = (
     *COMPARED[:7],
@@ -55,7 +42,35 @@ _FROM_FLAVOR = (
     "rope_scaling",
     "partial_rotary_factor",
     "qkv_bias",
+    "sliding_window",
+    "post_norms",
+    "num_experts",
+    "top_k",
+    "moe_hidden_size",
+    "shared_experts",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
 )
+# model.moe fields that name an architecture setting -> the TransformerArgs field.
+MOE_COMPARED = {
+    "num_experts": "num_experts",
+    "top_k": "top_k",
+    "moe_hidden_size": "moe_hidden_size",
+    "shared_experts": "shared_experts",
+    "shared_expert_gate": "shared_expert_gate",
+    "router_score": "router_score",
+    "route_norm": "route_norm",
+    "every": "moe_every",
+    "first_dense_layers": "first_dense_layers",
+    "n_group": "n_group",
+    "topk_group": "topk_group",
+    "routed_scaling_factor": "routed_scaling_factor",
+}
+# model.moe training options the YAML may set for an imported model (config.json gives only the aux coefficient).
+MOE_TRAINING = ("aux_loss_coef", "bias_update_rate", "capacity_factor")
 
 
 def hf_init_dir(cfg: ModelConfig) -> Path | None:
@@ -91,7 +106,10 @@ def init_from_args(cfg: ModelConfig, vocab_size: int | None) -> TransformerArgs:
             f"{hf_args.vocab_size} would index past the embedding of model.init_from. Use the model's own "
             "tokenizer (or one no larger)."
         )
-    return dataclasses.replace(hf_args, seq_length=cfg.seq_length)
+    training = {k: getattr(cfg.moe, k) for k in MOE_TRAINING if getattr(cfg.moe, k) is not None}
+    return dataclasses.replace(
+        hf_args, seq_length=cfg.seq_length, **(training if hf_args.num_experts else {})
+    )
 
 
 def _disagreements(
@@ -128,8 +146,10 @@ def _disagreements(
         differ("max_position_embeddings", cfg.max_position_embeddings, d.get("max_position_embeddings"))
     if not cfg.use_rope:
         differ("use_rope", False, hf.position_embedding == "rope")
-    if cfg.moe.num_experts:
-        differ("moe.num_experts", cfg.moe.num_experts, hf.num_experts)
+    for key, arg in MOE_COMPARED.items():
+        value = getattr(cfg.moe, key)
+        if value is not None and (hf.num_experts or key == "num_experts"):
+            differ(f"moe.{key}", value, getattr(hf, arg))
     return out
 
 
@@ -150,4 +170,8 @@ def model_config_of(cfg: ModelConfig) -> ModelConfig:
     values.update(
         model_type=args.family, flavor=None, max_position_embeddings=d.get("max_position_embeddings")
     )
+    if args.num_experts:  # the experts too; training options the YAML set stay (init_from_args applied them)
+        moe = {key: getattr(args, arg) for key, arg in MOE_COMPARED.items()}
+        moe.update({k: getattr(args, k) for k in MOE_TRAINING if getattr(cfg.moe, k) is None})
+        values["moe"] = dataclasses.replace(cfg.moe, **moe)
     return dataclasses.replace(cfg, **values)

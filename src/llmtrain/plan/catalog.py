@@ -1,7 +1,7 @@
 """Hardware catalog: what one accelerator can do, and the cluster a plan runs on.
 
 The figures are data, not code: ``devices.yaml`` next to this module lists every built-in device (NVIDIA
-A100/H100/H200/B200, Huawei Ascend 910A/910B/910C, a generic CPU) with its sources; a user adds or overrides
+A100/H100/H800/H200/B200, Huawei Ascend 910A/910B/910C, a generic CPU) with its sources; a user adds or overrides
 devices with a YAML file in the same layout (``llmtrain plan --catalog FILE``). A :class:`Device` carries
 
 * ``peak_tflops``: dense bf16/fp16 tensor FLOP/s (no sparsity), the denominator of MFU;
@@ -9,7 +9,8 @@ devices with a YAML file in the same layout (``llmtrain plan --catalog FILE``). 
 * ``memory_bw_gbs``: device-memory bandwidth (bounds the element-wise kernels and the optimizer step);
 * ``intra_node_bw_gbs`` / ``inter_node_bw_gbs``: per-device, per-direction link bandwidth inside a node
   (NVLink / HCCS) and between nodes (InfiniBand / RoCE);
-* ``matmul_efficiency``: the achievable fraction of peak on large GEMMs; unset, the planner's one global
+* ``matmul_efficiency``: the ceiling of the GEMM-efficiency curve (:mod:`llmtrain.plan.gemm`), the fraction of
+  peak the largest GEMMs of a training step sustain; smaller GEMMs get less. Unset, the planner's one global
   value (:data:`DEFAULT_MATMUL_EFFICIENCY`) applies, so published figures are never fitted per device.
 
 :func:`parse_cluster` reads the ``--cluster NxDEVICE[@NODES]`` spelling (``32x910b@4``, ``8xh100``).
@@ -33,8 +34,10 @@ import yaml
 
 from llmtrain.errors import ConfigError
 
-DEFAULT_MATMUL_EFFICIENCY = 0.62
-"""Fraction of peak that the GEMMs of a training step sustain (one global value; calibration in docs/planner.md)."""
+DEFAULT_MATMUL_EFFICIENCY = 0.65
+"""Ceiling of the GEMM-efficiency curve: the fraction of peak the largest GEMMs of a training step sustain (one
+global value, chosen once over the published runs of docs/planner.md; not a standalone cuBLAS figure, which is
+higher: it also carries the clock and SM losses of a loaded training step)."""
 
 GIB = 1024**3
 

@@ -20,6 +20,7 @@ from llmtrain.config.loader import load_config
 from llmtrain.config.schema import Config
 from llmtrain.distributed.parallel_dims import default_world_size
 from llmtrain.errors import ConfigError
+from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster, load_catalog, parse_cluster
 from llmtrain.plan.memory import min_state_bytes_per_device
 from llmtrain.plan.search import PlanResult, evaluate, layout_from_config, search
@@ -115,11 +116,13 @@ def plan_dict(result: PlanResult, cluster: Cluster, total_tokens: int, warnings:
             "tp_comm": t.tp_comm,
             "pp_bubble": t.pp_bubble,
             "pp_p2p": t.pp_p2p,
+            "ep_comm": t.ep_comm,
             "dp_exposed": t.dp_exposed,
             "dp_total": t.dp_total,
             "cp_exposed": t.cp_exposed,
             "optimizer": t.optimizer,
         },  # fmt: skip
+        "stage_microbatch_s": t.stage_microbatch_s,
         "tokens_per_step": result.tokens_per_step,
         "tokens_per_s_per_device": tps,
         "mfu": result.mfu,
@@ -140,14 +143,22 @@ def print_plan(
     top: int = 5,
     claims: list[str] | None = None,
     as_json: bool = False,
+    engine: str = "llmtrain",
+    tp_overlap: bool = False,
 ) -> None:
     """Plan ``config`` (with ``overrides``) on ``cluster_spec`` (None: from the config) and print the table, or
     one JSON object with ``as_json``; ``search_layouts`` adds the ``top`` ranked layouts, ``claims`` the verdicts
-    on stated figures (``KEY=VALUE``, KEY one of CLAIM_KEYS)."""
+    on stated figures (``KEY=VALUE``, KEY one of CLAIM_KEYS). ``engine`` (llmtrain: this trainer; megatron:
+    Megatron-style implementations) and ``tp_overlap`` say how the layout is executed (plan/layout.py)."""
     cfg, _notes = load_config(config, overrides)
     cluster = resolve_cluster(cfg, cluster_spec, catalog)
     layout, margs, tokens_per_step = layout_from_config(
-        cfg, cluster.num_devices, recompute or cfg.recompute.mode, offload
+        cfg,
+        cluster.num_devices,
+        recompute or cfg.recompute.mode,
+        offload,
+        engine=engine,
+        tp_overlap=tp_overlap,
     )
     fused = bool(cfg.train.compile)
     result = evaluate(margs, layout, cluster, tokens_per_step, fused)
@@ -157,7 +168,7 @@ def print_plan(
         from llmtrain.resolve.stages import resolve_stages
 
         total_tokens = sum(p.steps * p.tokens_per_step for p in resolve_stages(cfg)[1])
-    warnings = collect_warnings(cfg, result, cluster)
+    warnings = collect_warnings(cfg, result, cluster, margs)
     verdicts = check_claims(claims or [], result, cluster, total_tokens)
     out = plan_dict(result, cluster, total_tokens, warnings)
     out["model"] = {"family": margs.family, "parameters": margs.num_params(), "seq_length": layout.seq_length,
@@ -174,7 +185,7 @@ def print_plan(
         print(render(out, result, ranked))
 
 
-def collect_warnings(cfg: Config, result: PlanResult, cluster: Cluster) -> list[str]:
+def collect_warnings(cfg: Config, result: PlanResult, cluster: Cluster, margs: TransformerArgs) -> list[str]:
     w: list[str] = []
     mem, lay = result.memory, result.layout
     if not mem.fits:
@@ -185,13 +196,19 @@ def collect_warnings(cfg: Config, result: PlanResult, cluster: Cluster) -> list[
         )
     elif mem.total > 0.9 * mem.capacity:
         w.append(f"tight: {mem.total / mem.capacity:.0%} of the usable device memory; fragmentation may OOM.")
-    if lay.zero_stage == 1:
+    if lay.zero_stage == 1 and not lay.bf16_weights:
         w.append(
             "ZeRO-1 is run as ZeRO-2 by FSDP2 (same communication, gradients sharded too); planned as such."
         )
-    if lay.ep > 1:
+    if lay.ep > 1 and not margs.num_moe_layers:
         w.append(
             f"expert_parallel {lay.ep} has no effect: the {cfg.model.model_type} model is dense (no MoE)."
+        )
+    if margs.num_moe_layers and lay.ep == 1 and lay.dp > 1:
+        w.append(
+            f"an MoE model with expert_parallel 1: every rank holds all {margs.num_experts} experts (sharded by "
+            f"ZeRO only) and runs them on its own tokens; expert_parallel {lay.dp} spreads them over the "
+            "data-parallel ranks."
         )
     if lay.pp > 1 and cfg.parallel.micro_batch_num not in (1, lay.grad_accum):
         w.append(
@@ -216,11 +233,13 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
         "",
         f"memory per device (worst pipeline stage {out['memory_worst_stage']}):",
     ]
-    rows = [("parameters (fp32, sharded at rest)", m["parameters"]), ("gradients (fp32)", m["gradients"]),
+    rows = [("parameters (weights + fp32 master)", m["parameters"]), ("gradients", m["gradients"]),
             ("optimizer states (AdamW m, v)", m["optimizer_states"]), ("activations", m["activations"]),
-            ("  gathered weights (FSDP working copy)", det["gathered_parameters"]),
+            ("  gathered weights (FSDP, fp32)", det["gathered_parameters"]),
+            ("  autocast weight copies (bf16)", det["autocast_weight_copies"]),
             ("  unsharded gradients (one block)", det["unsharded_gradients"]),
-            ("  logits and loss", det["logits_and_loss"]), ("other (sum of the three above)", m["other"]),
+            ("  MoE dispatch buffers", det["moe_dispatch_buffers"]),
+            ("  logits and loss", det["logits_and_loss"]), ("other (sum of the five above)", m["other"]),
             ("total", m["total"]), ("usable on the device", out["memory_capacity_bytes"])]  # fmt: skip
     if det["host_offload"]:
         rows.append(("host memory (offloaded)", det["host_offload"]))

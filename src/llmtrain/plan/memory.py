@@ -1,44 +1,57 @@
 """Memory per device, itemised: parameters, gradients, optimizer states, activations and the rest.
 
-Byte accounting (per parameter of the slice a device owns after tensor and pipeline parallel)::
+The worst pipeline rank is reported (:mod:`~llmtrain.plan.layout` says what each rank holds). Parameters are
+split into *dense* ones (FSDP/ZeRO shards them over ``D = dp_shard x cp``) and routed *experts* (split over
+``ep`` and ``tp``; ZeRO shards them over ``D_e = D / ep``).
 
-    parameters        4 B   fp32 master weights (they are the model's parameters; autocast / FSDP2's
-                            MixedPrecisionPolicy make bf16/fp16 working copies, counted under "other")
-    gradients         4 B   fp32, as FSDP2 reduces with reduce_dtype fp32; TP without FSDP adds the
-                            embedding's whole vocab x h gradient (it comes back replicated, see below)
-    optimizer_states  8 B   AdamW exp_avg + exp_avg_sq in fp32 (+ 4 B per tensor for ``step``, negligible)
+Engine ``llmtrain`` (this trainer: fp32 parameters under ``torch.autocast``, FSDP2 without a mixed-precision
+policy; bytes per parameter of the slice a rank owns)::
 
-That is the 16 B/parameter of mixed-precision Adam (DeepSpeed's 2 + 2 + 12 count the same total). The ZeRO
-stages follow this project's FSDP2 realisation (``distributed/parallelize.py``), sharding over
-``dp_shard x cp`` (FSDP shards over the flattened ``dp_shard_cp`` mesh):
+    parameters        4 / D      fp32 (the model's parameters are the master weights)
+    gradients         4          whole while micro-batches accumulate (gradient sync once per step: FSDP2
+                                 keeps the unsharded sum, distributed/grad_sync.py), 4 / D without accumulation
+                                 or with reduce_grads per_microbatch; ZeRO-3 under auto: 4 / D, with per_step
+                                 4 / D + 4; ZeRO-0: 4
+    optimizer_states  8 / D      AdamW exp_avg + exp_avg_sq in fp32
+    other             4          ZeRO 1-2 (and ZeRO-3 under PP, run as 2): the all-gathered fp32 parameters,
+                                 held from forward to backward; ZeRO-3: two blocks + the root
+                      2          bf16/fp16 copies autocast makes of every matmul weight (not the embedding
+                                 table): cached for the whole forward and saved for backward, so also under
+                                 ZeRO-3 (measured on gloo, tests/test_plan.py)
 
-=====  ===========================================  ===============================================
-stage  persistent state per device                  gathered working copies ("other")
-=====  ===========================================  ===============================================
-0      everything whole                             bf16 copy of all weights under mixed precision
-1, 2   params, grads, states / D (stage 1 is run    all unsharded weights, held from forward to
-       as stage 2: same communication, less memory)  backward (reshard_after_forward=False)
-3      params, grads, states / D                    two blocks' weights (current + prefetch) and one
-                                                    block's unsharded gradients
-=====  ===========================================  ===============================================
+TP without FSDP adds the embedding's gradient, which comes back replicated (the whole vocab x h table).
 
-``offload`` (FSDP2 CPUOffloadPolicy) moves the persistent parameters, gradients and optimizer states to host
-memory (reported as ``host_bytes``); the gathered copies stay on the device.
+Engine ``megatron`` (distributed optimizer): parameters 2 (bf16 weights; / D under ZeRO-3) + 4 / D (fp32
+master; engine ``nemo``: 2 / D, the 16-bit remainders NeMo's distributed Adam stores), gradients 2 (the bf16
+gradient buffer, Megatron-Core's default; 4 under ZeRO-0, fp32 main grads), optimizer states 8 / D, no cast
+copies. ``offload`` (FSDP2 CPUOffloadPolicy) moves the persistent
+parameters, gradients and optimizer states to host memory (``host_bytes``).
 
-Activations are counted tensor by tensor from what autograd saves in one block of this project's model (torch
-TP with sequence parallel, SDPA flash attention, SwiGLU), per token, in elements::
+Activations, bytes per token of one block without recompute (T = micro-batch x seq / cp tokens; a = 2 under
+bf16/fp16, 4 under fp32; h hidden, I the MLP width, q/kv/o the projection widths)::
 
-    attention: h/t (norm input) + h (gathered norm output, saved by wq/wk/wv) + (nh + 2 nkv) hd / t (q, k, v)
-               + 2 nh hd / t (attention output as SDPA saves it, and its contiguous copy saved by wo)
-    mlp:       h/t (norm input) + h (gathered norm output) + 4 I / t (w1 out, silu out, w3 out, product)
+    llmtrain  norms      2 x (8 h + 4) / t   fp32 norm input (the residual stream is fp32) + fp32 output + rstd
+              gathered   5 a h (fp32: 2 x 4 h), whole even under sequence parallel: the all-gathered norm
+                         output is cast to bf16 separately for wq, wk, wv and for w1, w3, each copy saved
+              attention  a (q + 2 kv + o) / t + 4 heads / t   (q, k, v after RoPE, the output, the logsumexp)
+                         + 2 a rotary (bf16 cos / sin, cast for q and for k in each block)
+              mlp        4 a I / t                            (w1 out, activation out, w3 out, product)
+    megatron  (2 x 2 a h + 8 + a (q + 2 kv + o) + 4 heads + 3 a I) / t: norm inputs and outputs saved
+              sharded (gathered again in backward), fused gate-up output + activation output
 
-times the activation bytes (2 under bf16/fp16, 4 under fp32), micro-batch x seq / cp tokens. ``full``
-recompute keeps only each block's input (h/t per token) plus one block's full set while it is recomputed;
-``selective`` recomputes one block in ``recompute_every`` (as ``apply_recompute`` does). Pipeline schedules
-hold this many micro-batches in flight on their first stage (the worst one): gpipe all M, 1f1b / zero_bubble
-/ zbv min(pp, M), interleaved_1f1b min(pp, M) x (1 + (pp - 1) / (pp v)) (Korthikanti et al. 2022, sec. 4.2.3).
-Temporary buffers ("other") add the logits of one micro-batch (full vocabulary, as the TP plan gathers them:
-bf16 logits + fp32 copy + fp32 gradient) on the last stage.
+(the llmtrain figures were counted tensor by tensor on gloo with saved-tensor hooks and match to the byte:
+``tests/test_plan.py::test_activation_bytes_match_saved_tensors``). An MoE block replaces the MLP term by
+the router (4 E fp32 scores, 12 k index/weight bytes), its input cast (a h, llmtrain), the dispatched token
+copies (2 a k h llmtrain / a k h megatron), the experts' hidden states (4 a k H / 3 a k H, H =
+moe_hidden_size), the experts' output (a k h) and the shared experts' MLP; one layer's all-to-all send and
+receive buffers (2 k h tokens, fp32 in llmtrain, whose dispatch moves the fp32 residual) are transient.
+
+``full`` recompute keeps each block's input (fp32 / a bytes x h / t) plus one block while it is recomputed;
+``selective`` recomputes one block in ``recompute_every``. In flight on pipeline rank r (M micro-batches):
+gpipe M, 1f1b min(pp - r, M), interleaved / zero-bubble ``min(M v, 2 (pp - r - 1) + (v - 1) pp + 1) / v``
+(Megatron's warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0), zbv min(pp, M).
+The head rank adds the logits of one micro-batch (llmtrain: the full vocabulary, gathered; megatron: the
+vocabulary-parallel shard): bf16 logits + fp32 log-softmax + fp32 gradient.
 """
 
 from __future__ import annotations
@@ -46,73 +59,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from llmtrain.errors import ConfigError
 from llmtrain.models import TransformerArgs
+from llmtrain.plan.layout import (
+    PRECISION_BYTES,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    Layout,
+    ParamShape,
+    RankShape,
+    rank_params,
+    rank_shapes,
+)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
-RECOMPUTE_MODES = ("none", "selective", "full")
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One parallel layout of one run: degrees, ZeRO stage, batch split, schedule, recompute, precision."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    zero_stage: int = 0
-    micro_batch_size: int = 1
-    grad_accum: int = 1
-    """Micro-batches per optimizer step on each data-parallel rank (= pipeline micro-batches M)."""
-    seq_length: int = 2048
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    recompute: str = "none"
-    recompute_every: int = 2
-    offload: bool = False
-    precision: str = "bf16"
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}.")
-        if self.precision not in PRECISION_BYTES:
-            raise ConfigError(f"train.precision {self.precision!r} is not one of fp32, bf16, fp16.")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"parallel.zero_stage {self.zero_stage} is not one of 0, 1, 2, 3.")
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def shard_degree(self) -> int:
-        """Devices one FSDP shard group spans (dp_shard x cp); 1 under ZeRO-0."""
-        return 1 if self.zero_stage == 0 else self.dp_shard * self.cp
-
-    @property
-    def act_bytes(self) -> int:
-        return PRECISION_BYTES[self.precision]
-
-    def describe(self) -> str:
-        dp = f"dp{self.dp}" if self.dp_replicate in (1, self.dp) else f"dp{self.dp_replicate}x{self.dp_shard}"
-        parts = [f"tp{self.tp}", f"pp{self.pp}", dp]
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}")
-        parts += [f"zero{self.zero_stage}", f"mbs{self.micro_batch_size}", f"rc-{self.recompute}"]
-        if self.pp > 1:
-            parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        return " ".join(parts) + (" offload" if self.offload else "")
 
 
 @dataclass
@@ -142,67 +101,123 @@ class MemoryEstimate:
         return {**{k: float(getattr(self, k)) for k in keys}, "total": float(self.total)}
 
 
-def layer_params_local(args: TransformerArgs, tp: int) -> int:
-    """Parameters of one block on one tensor-parallel rank (norm weights are replicated, the rest split)."""
-    norms = 2 * args.hidden_size + (2 * args.head_dim if args.qk_norm else 0)
-    return (args._layer_params() - norms) // tp + norms
+def _proj_widths(args: TransformerArgs) -> tuple[float, float]:
+    """(q + 2 kv, o): output widths of the attention projections whose results are saved."""
+    heads = args.num_heads
+    if getattr(args, "kv_lora_rank", 0):  # MLA: keys/values expanded per head, widths as in the FLOP count
+        width = args._attention_width()
+        return 3 * heads * width, heads * args.v_head_dim
+    return (heads + 2 * args.num_kv_heads) * args.head_dim, heads * args.head_dim
 
 
-def stage_layers(args: TransformerArgs, pp: int) -> list[int]:
-    """Blocks per pipeline stage (the first stages take the remainder)."""
-    base, extra = divmod(args.num_layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
+def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
+    """Bytes autograd saves per token in one block without recompute (see the module docstring)."""
+    h, t, a = args.hidden_size, lay.tp, lay.act_bytes
+    qkv, o = _proj_widths(args)
+    n_norms = 4 if getattr(args, "post_norms", False) else 2
+    attention = (a * (qkv + o) + 4 * args.num_heads) / t
+    k, hm, s, e = args.top_k, args.moe_hidden_size, args.shared_experts, args.num_experts
+    if lay.bf16_weights:
+        norms = n_norms * (2 * a * h + 4) / t
+        if not moe:
+            return norms + attention + 3 * a * args.intermediate_size / t
+        ffn = (4 * e + 12 * k + a * k * (2 * h + 3 * hm) + 3 * a * s * hm) / t
+        return norms + attention + ffn
+    norms = n_norms * (8 * h + 4) / t
+    casts = 2 if lay.precision != "fp32" else 1  # copies of the gathered norm output (w1, w3 / shared MLP)
+    gathered_attn = (3 if lay.precision != "fp32" else 1) * a * h
+    if lay.precision != "fp32":  # RoPE casts cos / sin to bf16 for q and for k in every block
+        gathered_attn += 2 * args.rotary_dim * a
+    if not moe:
+        return norms + gathered_attn + casts * a * h + attention + 4 * a * args.intermediate_size / t
+    router = a * h + 4 * e + 12 * k  # the gate's input cast, fp32 scores, top-k indices and weights
+    experts = 2 * a * k * h + 4 * a * k * hm / t + a * k * h
+    shared = (casts * a * h + 4 * a * s * hm / t) if s else 0.0
+    return norms + gathered_attn + attention + router + experts + shared
 
 
-def stage_params(args: TransformerArgs, tp: int, pp: int, stage: int) -> int:
-    """Parameters held by one (tp, pp) rank of ``stage`` before data-parallel sharding."""
-    n = stage_layers(args, pp)[stage] * layer_params_local(args, tp)
-    vocab = args.vocab_size * args.hidden_size
-    if stage == 0:
-        n += vocab // tp
-    if stage == pp - 1:
-        n += args.hidden_size + (0 if args.tie_word_embeddings and pp == 1 else vocab // tp)
-    return n
+def block_input_bytes(lay: Layout, hidden: int) -> float:
+    """Bytes per token of a block's input (the residual stream, sequence-sharded): what full recompute keeps."""
+    return (lay.act_bytes if lay.bf16_weights else MASTER_BYTES) * hidden / lay.tp
 
 
-def activation_elems_per_token(args: TransformerArgs, tp: int) -> float:
-    """Elements autograd saves per token in one block without recompute (see the module docstring)."""
-    h, hd, t = args.hidden_size, args.head_dim, tp
-    attn = h / t + h + (args.num_heads + 2 * args.num_kv_heads) * hd / t + 2 * args.num_heads * hd / t
-    mlp = h / t + h + 4 * args.intermediate_size / t
-    return attn + mlp
-
-
-def in_flight_microbatches(layout: Layout) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak."""
-    m, p, v = layout.grad_accum, layout.pp, layout.virtual_stages
+def in_flight(lay: Layout, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak (whole-rank units)."""
+    m, p = lay.grad_accum, lay.pp
     if p == 1:
         return 1.0
-    if layout.schedule == "gpipe":
+    if lay.schedule == "gpipe":
         return float(m)
-    if layout.schedule == "interleaved_1f1b":
-        return min(p, m) * (1 + (p - 1) / (p * max(v, 1)))
-    return float(min(p, m))
+    if lay.schedule == "1f1b":
+        return float(max(1, min(p - rank, m)))
+    if lay.schedule == "zbv":
+        return float(min(p, m))
+    v = lay.chunks_per_rank
+    return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
 
 
 def estimate_memory(args: TransformerArgs, layout: Layout, capacity: float = math.inf) -> MemoryEstimate:
-    """Itemised bytes per device of ``layout``; the worst pipeline stage is reported."""
+    """Itemised bytes per device of ``layout``; the worst pipeline rank is reported."""
     worst: MemoryEstimate | None = None
-    for stage in range(layout.pp):
-        est = _stage_memory(args, layout, stage, capacity)
+    for shape in rank_shapes(args, layout):
+        est = _rank_memory(args, layout, shape, capacity)
         if worst is None or est.total > worst.total:
             worst = est
     assert worst is not None
     return worst
 
 
-def _stage_memory(args: TransformerArgs, lay: Layout, stage: int, capacity: float) -> MemoryEstimate:
-    p_local = stage_params(args, lay.tp, lay.pp, stage)
-    shard = lay.shard_degree
-    params = MASTER_BYTES * p_local / shard
-    grads = GRAD_BYTES * p_local / shard
-    states = ADAM_BYTES * p_local / shard
-    if lay.tp > 1 and lay.zero_stage == 0 and stage == 0:
+def _state_bytes(
+    lay: Layout, dense: float, expert: float, block: float, root: float, uncast: float
+) -> dict[str, float]:
+    """Parameters, gradients, optimizer states and gathered copies of one rank (see the module docstring);
+    ``uncast``: parameters autocast never casts (the embedding table, a lookup)."""
+    d, de, a = lay.shard_degree, lay.expert_shard_degree, lay.act_bytes
+    sharded = dense / d + expert / de
+    whole = dense + expert
+    accumulating = lay.grad_accum > 1 and lay.grad_sync == "per_step"
+    out = {"optimizer_states": ADAM_BYTES * sharded, "gathered_parameters": 0.0, "autocast_weight_copies": 0.0,
+           "unsharded_gradients": 0.0}  # fmt: skip
+    if lay.bf16_weights:
+        weights = (whole / d if lay.zero_stage == 3 else whole) * a
+        master = 2 if lay.engine == "nemo" and lay.zero_stage > 0 else MASTER_BYTES  # NeMo: 16-bit remainders
+        out["parameters"] = weights + master * sharded
+        out["gradients"] = {0: GRAD_BYTES * whole, 3: a * sharded}.get(lay.zero_stage, a * whole)
+        if lay.zero_stage == 3:
+            out["gathered_parameters"] = a * (2 * block + root)
+        return out
+    out["parameters"] = MASTER_BYTES * sharded
+    fsdp = dense + (expert if lay.ep == 1 else 0.0)  # experts under EP stay outside FSDP (whole, / ep)
+    if lay.zero_stage == 0:
+        grads = GRAD_BYTES * whole
+    elif lay.zero_stage in (1, 2) or not lay.reshards_after_forward:
+        grads = GRAD_BYTES * (whole if accumulating else sharded)
+        out["gathered_parameters"] = MASTER_BYTES * fsdp if d > 1 else 0.0
+    else:  # ZeRO-3: sharded gradients, + the unsharded accumulator under per_step, + a sharded partial sum
+        grads = GRAD_BYTES * sharded + (GRAD_BYTES * whole if accumulating else 0.0)
+        if lay.grad_sync == "replicate_per_step":
+            grads += GRAD_BYTES * sharded
+        out["gathered_parameters"] = MASTER_BYTES * (2 * block + root)
+    if not accumulating and lay.zero_stage > 0 and d > 1:
+        out["unsharded_gradients"] = GRAD_BYTES * block  # one block's gradient before its reduce-scatter
+    out["gradients"] = grads
+    if lay.precision != "fp32":
+        out["autocast_weight_copies"] = a * (whole - uncast)  # cached by autocast, saved for backward
+    return out
+
+
+def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity: float) -> MemoryEstimate:
+    ps = ParamShape(args)
+    dense, expert = rank_params(args, lay, shape)
+    block = ps.dense_block(lay.tp, shape.moe_layers > 0)
+    if shape.moe_layers:
+        block += ps.expert_block(lay.tp, lay.ep)
+    embed = ps.embedding(lay.tp) if shape.embedding else 0.0
+    root = embed + (ps.head(lay.tp, lay.pp) if shape.head else 0.0)
+    tied_cast = ps.embedding(lay.tp) if (shape.head and args.tie_word_embeddings and lay.pp == 1) else 0.0
+    st = _state_bytes(lay, dense, expert, block, root, uncast=embed - tied_cast)
+    params, grads, states = st["parameters"], st["gradients"], st["optimizer_states"]
+    if lay.tp > 1 and lay.zero_stage == 0 and shape.embedding and not lay.bf16_weights:
         # The embedding's gradient under TP (RowwiseParallel over the vocabulary) comes back Replicate: the
         # whole vocab x h table on every TP rank; without FSDP nothing reshards it (measured on gloo).
         grads += GRAD_BYTES * args.vocab_size * args.hidden_size * (1 - 1 / lay.tp)
@@ -210,39 +225,34 @@ def _stage_memory(args: TransformerArgs, lay: Layout, stage: int, capacity: floa
     if lay.offload:
         host, params, grads, states = params + grads + states, 0.0, 0.0, 0.0
 
-    work = lay.act_bytes  # bytes of a gathered working copy (param_dtype)
-    block = layer_params_local(args, lay.tp)
-    if lay.zero_stage == 0:
-        gathered = 0.0 if work == MASTER_BYTES else work * p_local
-        gathered_grads = 0.0
-    elif lay.zero_stage in (1, 2):
-        gathered = 0.0 if (work == MASTER_BYTES and shard == 1) else work * p_local
-        gathered_grads = GRAD_BYTES * block
-    else:
-        root = p_local - stage_layers(args, lay.pp)[stage] * block
-        gathered = work * (2 * block + root)
-        gathered_grads = GRAD_BYTES * block
-
     tokens = lay.micro_batch_size * lay.seq_length / lay.cp
-    per_layer = lay.act_bytes * tokens * activation_elems_per_token(args, lay.tp)
-    boundary = lay.act_bytes * tokens * args.hidden_size / lay.tp  # a block's input, sequence-sharded
-    n_layers = stage_layers(args, lay.pp)[stage]
+    dense_layer = tokens * layer_activation_bytes(args, lay, moe=False)
+    moe_layer = tokens * layer_activation_bytes(args, lay, moe=True)
+    boundary = tokens * block_input_bytes(lay, args.hidden_size)
+    full_set = shape.dense_layers * dense_layer + shape.moe_layers * moe_layer
+    biggest = moe_layer if shape.moe_layers else dense_layer
     if lay.recompute == "full":
-        stored_layer, transient = boundary, per_layer
+        stored, transient = shape.layers * boundary, biggest
     elif lay.recompute == "selective":
         frac = 1.0 / max(lay.recompute_every, 1)
-        stored_layer, transient = frac * boundary + (1 - frac) * per_layer, per_layer * frac
+        stored, transient = frac * shape.layers * boundary + (1 - frac) * full_set, biggest
     else:
-        stored_layer, transient = per_layer, 0.0
-    in_flight = in_flight_microbatches(lay) if stage == 0 else max(1.0, in_flight_microbatches(lay) - stage)
-    activations = n_layers * stored_layer * in_flight + transient + boundary * in_flight
+        stored, transient = full_set, 0.0
+    n_flight = in_flight(lay, shape.rank)
+    activations = stored * n_flight + transient + boundary * n_flight
 
+    dispatch = 0.0
+    if shape.moe_layers and lay.ep > 1:  # one layer's all-to-all send + receive buffers
+        dispatch = 2 * tokens * args.top_k * args.hidden_size * (lay.act_bytes if lay.bf16_weights else 4)
     logits = 0.0
-    if stage == lay.pp - 1:
-        logits = tokens * args.vocab_size * (lay.act_bytes + 4 + 4)
+    if shape.head:
+        vocab = args.vocab_size / (lay.tp if lay.bf16_weights else 1)
+        logits = tokens * vocab * (lay.act_bytes + 4 + 4)
     details = {
-        "gathered_parameters": gathered,
-        "unsharded_gradients": gathered_grads,
+        "gathered_parameters": st["gathered_parameters"],
+        "autocast_weight_copies": st["autocast_weight_copies"],
+        "unsharded_gradients": st["unsharded_gradients"],
+        "moe_dispatch_buffers": dispatch,
         "logits_and_loss": logits,
     }
     return MemoryEstimate(
@@ -252,12 +262,20 @@ def _stage_memory(args: TransformerArgs, lay: Layout, stage: int, capacity: floa
         activations=activations,
         other=sum(details.values()),
         capacity=capacity,
-        stage=stage,
-        details={**details, "parameters_per_device": p_local / shard, "activations_per_layer": per_layer},
+        stage=shape.rank,
+        details={**details, "parameters_per_device": dense / lay.shard_degree + expert / lay.expert_shard_degree,
+                 "expert_parameters_per_device": expert / lay.expert_shard_degree,
+                 "activations_per_layer": dense_layer, "activations_per_moe_layer": moe_layer if args.num_experts else 0.0},
         host_bytes=host,
-    )
+    )  # fmt: skip
 
 
 def min_state_bytes_per_device(args: TransformerArgs, world_size: int) -> float:
     """The floor no layout can beat without offload: 16 B per parameter spread evenly over every device."""
     return (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES) * args.num_params() / world_size
+
+
+__all__ = [
+    "PRECISION_BYTES", "RECOMPUTE_MODES", "SCHEDULES", "Layout", "MemoryEstimate", "estimate_memory",
+    "in_flight", "layer_activation_bytes", "min_state_bytes_per_device",
+]  # fmt: skip

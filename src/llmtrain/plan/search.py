@@ -20,7 +20,9 @@ offload without data parallel, ...), so ``--search`` never proposes a layout ``l
 model; the other refusals are this version's limits, and the planner also costs what-if layouts.
 
 Layouts that fit in memory are ranked by tokens/s per device (then by lower memory); the reasons shown are the
-step-time breakdown and the memory headroom.
+step-time breakdown and the memory headroom. Every candidate keeps the configured engine and TP-overlap choice
+(:class:`~llmtrain.plan.layout.Layout`), ``parallel.reduce_grads`` and precision; ``pipeline_layers`` is
+dropped (it only fits the configured degrees), so candidates use an even split.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from llmtrain.errors import ConfigError
 from llmtrain.feasibility import RULES, layout_problems, raise_fatal
 from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster
-from llmtrain.plan.memory import Layout, MemoryEstimate, estimate_memory
+from llmtrain.plan.layout import Layout
+from llmtrain.plan.memory import MemoryEstimate, estimate_memory
 from llmtrain.plan.timing import Efficiency, StepTime, estimate_step_time
 from llmtrain.resolve.derived import derive
 
@@ -64,8 +67,9 @@ class PlanResult:
     def why(self) -> str:
         """One line: where the step time goes and how much memory is left."""
         t, total = self.time, self.step_time_s
-        parts = {"compute": t.compute, "TP comm": t.tp_comm, "PP bubble": t.pp_bubble + t.pp_p2p,
-                 "DP exposed": t.dp_exposed, "CP exposed": t.cp_exposed, "optimizer": t.optimizer}  # fmt: skip
+        parts = {"compute": t.compute, "TP comm": t.tp_comm, "EP all-to-all": t.ep_comm,
+                 "PP bubble": t.pp_bubble + t.pp_p2p, "DP exposed": t.dp_exposed, "CP exposed": t.cp_exposed,
+                 "optimizer": t.optimizer}  # fmt: skip
         shown = ", ".join(f"{k} {v / total:.0%}" for k, v in parts.items() if v / total >= 0.005)
         free = self.memory.capacity - self.memory.total
         return f"{shown}; memory {self.memory.total / 2**30:.1f} GiB ({free / 2**30:+.1f} GiB free)"
@@ -77,9 +81,12 @@ def layout_from_config(
     recompute: str = "none",
     offload: bool = False,
     vocab_size: int | None = None,
+    engine: str = "llmtrain",
+    tp_overlap: bool = False,
 ) -> tuple[Layout, TransformerArgs, int]:
     """(layout, model args, tokens per step) of the run config on ``world_size`` devices; ConfigError for a
-    feasibility ``split`` rule (the model does not divide over the degrees, see the module docstring)."""
+    feasibility ``split`` rule (the model does not divide over the degrees, see the module docstring).
+    ``engine`` / ``tp_overlap``: how the layout is executed (:class:`~llmtrain.plan.layout.Layout`)."""
     d = derive(cfg, world_size, vocab_size=vocab_size)
     dims, p = d.dims, cfg.parallel
     assert dims is not None
@@ -88,7 +95,9 @@ def layout_from_config(
         tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
         zero_stage=zero, micro_batch_size=d.micro_batch_size, grad_accum=d.grad_accum,
         seq_length=cfg.model.seq_length, schedule=p.schedule, virtual_stages=max(p.virtual_stages, 1),
-        recompute=recompute, offload=offload, precision=cfg.train.precision,
+        pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers is not None else None,
+        recompute=recompute, recompute_every=max(cfg.recompute.every, 1), offload=offload,
+        precision=cfg.train.precision, reduce_grads=p.reduce_grads, engine=engine, tp_overlap=tp_overlap,
     )  # fmt: skip
     split = [pr for pr in layout_problems(cfg, world_size, d.model_args) if RULES[pr.rule].kind == "split"]
     raise_fatal(split)
@@ -103,7 +112,8 @@ def layout_config(lay: Layout, global_batch: int, compile: bool = False) -> Conf
         data_parallel=lay.dp, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, context_parallel=lay.cp,
         expert_parallel=lay.ep, data_parallel_replicate=lay.dp_replicate if lay.zero_stage else 1,
         zero_stage=lay.zero_stage, schedule=cast(Any, lay.schedule), virtual_stages=lay.virtual_stages,
-        cpu_offload=lay.offload,
+        pipeline_layers=list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
+        cpu_offload=lay.offload, reduce_grads=cast(Any, lay.reduce_grads),
     )  # fmt: skip
     train = TrainConfig(batch_size=global_batch, micro_batch_size=lay.micro_batch_size, compile=compile)
     return Config(model=ModelConfig(seq_length=lay.seq_length), parallel=parallel, train=train)
@@ -143,7 +153,17 @@ def candidate_layouts(
         if n % (tp * pp):
             continue
         dp = n // (tp * pp)
-        probe = replace(base, tp=tp, pp=pp, cp=1, ep=ep, dp_replicate=1, dp_shard=dp, virtual_stages=1)
+        probe = replace(
+            base,
+            tp=tp,
+            pp=pp,
+            cp=1,
+            ep=ep,
+            dp_replicate=1,
+            dp_shard=dp,
+            virtual_stages=1,
+            pipeline_layers=None,
+        )
         for mbs, zero, rc in itertools.product((1, 2, 4, 8), (0, 2, 3), ("none", "selective", "full")):
             if global_batch % (mbs * dp):
                 continue

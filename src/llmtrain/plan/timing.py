@@ -1,29 +1,49 @@
-"""Time per step: compute from FLOPs at a device efficiency, plus the communication each parallel dim adds.
+"""Time per step: the GEMMs at their shape's efficiency, attention, element-wise traffic and communication.
 
-One global cost model (calibration in ``docs/planner.md``); nothing is fitted per published run:
+One global cost model (calibration in ``docs/planner.md``); nothing is fitted per published run. Per
+micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its layers from
+:func:`~llmtrain.plan.layout.rank_shapes`):
 
-* **Compute** of one micro-batch on the busiest pipeline stage: matmul FLOPs (6 x weights per token, /tp) at
-  ``peak x matmul_efficiency``; causal attention FLOPs as executed (7 L s nh hd per token, /tp /cp: flash
-  attention's backward recomputes Q K^T, one pass more than the model count's 6) at that rate times
-  :attr:`Efficiency.attention_ratio`; element-wise kernels (norms, RoPE, SwiGLU, residuals, casts) as memory
-  traffic ``act_bytes x (c_h h + c_i I) / tp`` per token per layer at the device's memory bandwidth, with
-  eager (unfused) or fused constants (``train.compile`` / graph mode). Recompute adds one forward of the
-  recomputed blocks (full: x 4/3 of block FLOPs).
-* **TP** (sequence parallel): 4 all-gathers + 4 reduce-scatters of the block's activations per layer per
-  micro-batch (+4 with full recompute), on the critical path (eager TP does not overlap them), plus the
-  vocabulary gather of the logits.
-* **PP**: step = (M + bubble) x t_micro-batch, bubble = (pp - 1) / v for gpipe / 1f1b / interleaved,
-  (pp - 1) / 3 for zero_bubble, (pp - 1) / 6 for zbv; point-to-point sends on the fill and drain path.
-* **DP / ZeRO** (FSDP2): stage 0 all-reduces fp32 gradients; stages 1-2 all-gather working weights once and
-  reduce-scatter fp32 gradients; stage 3 all-gathers twice (forward and backward). Without PP this happens
-  per micro-batch (FSDP2 reduces on every backward), with PP once per step (the pipeline stage syncs on the
-  last micro-batch only). Traffic hides behind compute up to :attr:`Efficiency.dp_overlap` of it.
-* **CP** ring attention: (cp - 1) K/V exchanges per layer forward, twice that backward, hidden behind the
-  attention compute of the same ring step. **EP**: the models here are dense, so no all-to-all.
+* **GEMMs** at the shape-dependent efficiency of :mod:`~llmtrain.plan.gemm` (dense blocks, MoE blocks with
+  their experts at the *active* count ``top_k``, the output projection on the head rank). **Attention**:
+  causal FLOPs as executed (7 passes of ``2 T keys width`` per head: flash attention's backward recomputes
+  ``Q K^T``), keys = seq / 2 on average (a sliding window: its mean), /tp /cp, at ``e x attention_ratio``.
+  **Element-wise** kernels (norms, RoPE, activations, residuals, casts, MoE permutes) as memory traffic
+  ``a (c_h h + c_i I) / t`` per token per layer, eager or fused constants. Fused = ``train.compile`` (graph
+  mode); engine ``llmtrain`` runs eager under TP (the trainer skips compile with TP, feasibility warning
+  ``tp_compile``). Engine ``llmtrain`` also casts every matmul weight to bf16 once per micro-batch (autocast
+  over fp32 parameters; under PP once per step): 6 bytes per weight. Recompute adds one forward of the
+  recomputed blocks.
+* **TP** (sequence parallel): per block 4 all-gathers + 4 reduce-scatters of ``T x h`` (+4 with full
+  recompute); engine ``llmtrain`` gathers the fp32 norm outputs (and reduce-scatters their fp32 gradients),
+  ``megatron`` moves bf16 and gathers the two saved inputs again in backward (+2). ``llmtrain`` runs them in
+  line (exposed); ``megatron`` hides the backward ones behind ``tp_overlap_fraction`` of the backward GEMMs
+  (its linear layers overlap them with the dgrad / wgrad GEMMs); ``tp_overlap`` hides the forward ones behind
+  the forward GEMMs as well. ``llmtrain`` also all-gathers the logits over the vocabulary.
+* **EP** all-to-all: per MoE block 2 exchanges forward (dispatch, combine) and 2 backward (+2 with full
+  recompute) of ``T / t x top_k x h`` (fp32 dispatch in ``llmtrain``, whose router input is the fp32
+  residual stream), ``(ep - 1) / ep`` of it leaving the rank, at the intra-node bandwidth for the peers in
+  the node and the inter-node one for the rest (in parallel). Exposed (neither engine overlaps it).
+* **CP** ring attention: (cp - 1) K/V exchanges per layer forward, twice backward, hidden behind the
+  attention compute of the same ring step.
+* **PP**: each rank's micro-batch time ``t_r`` (compute + exposed TP / EP / CP); the slowest rank sets the
+  pace: step = M max_r t_r + bubble, bubble = f x the sum over the other ranks of their chunk time
+  ``t_r / v`` (= (pp - 1) / v slots of an even split), f = 1 for gpipe / 1f1b / interleaved and 1/3 for the
+  zero-bubble schedules; an uneven ``pipeline_layers`` split shows up in ``max_r t_r``. Point-to-point
+  sends on the fill and drain path.
+* **DP / ZeRO**: the traffic of :func:`_dp_traffic` (gradient reduction once per optimizer step in
+  ``per_step`` mode, this trainer's default since the gradient-sync switch, ``distributed/grad_sync.py``;
+  per micro-batch for ZeRO-3's reduce-scatter under ``auto``, or with ``reduce_grads: per_microbatch``),
+  hidden behind ``dp_overlap`` of the compute it overlaps with: a once-per-step gather behind the first
+  forward, a once-per-step reduction behind the last backward, per-micro-batch traffic behind its own
+  micro-batch; the last block's reduction is exposed. Engine ``llmtrain`` gathers fp32 parameters and
+  reduces fp32 gradients (FSDP2 without a mixed-precision policy), ``megatron`` bf16 ones (ZeRO-0: fp32).
+* **Optimizer**: memory bound, read p, g, m, v and write p, m, v of the rank's shard.
 
 A collective over ``g`` ranks moves ``(g - 1) / g`` of the buffer per rank (ring), twice for an all-reduce, at
-``link_efficiency`` of the group's slowest link: the intra-node link when the group fits in a node (mesh order
-pp, dp_replicate, dp_shard, cp, tp with tp innermost), else the inter-node one.
+``link_efficiency`` of :func:`group_bandwidth`: the intra-node link when the group fits in a node (mesh order
+pp, dp_replicate, dp_shard, cp, tp with tp innermost), else ``k`` NICs' worth for a group with ``k`` members
+per node.
 """
 
 from __future__ import annotations
@@ -32,25 +52,32 @@ from dataclasses import dataclass, field
 
 from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster
-from llmtrain.plan.memory import MASTER_BYTES, Layout, stage_layers, stage_params
+from llmtrain.plan.gemm import GemmModel, block_gemm_time, head_gemm_time
+from llmtrain.plan.layout import Layout, RankShape, rank_params, rank_shapes
+from llmtrain.plan.memory import MASTER_BYTES
 
 
 @dataclass(frozen=True)
 class Efficiency:
     """The global calibration of the cost model (one set for every device and every run)."""
 
-    attention_ratio: float = 0.6
-    """Flash attention (forward + backward) reaches this fraction of the GEMM rate."""
+    attention_ratio: float = 0.5
+    """Flash attention (forward + backward) runs at this fraction of the GEMM ceiling."""
     link_efficiency: float = 0.8
     """Collectives reach this fraction of the nominal link bandwidth (NCCL/HCCL bus bandwidth)."""
     dp_overlap: float = 0.9
     """Fraction of the overlappable compute window that hides data-parallel traffic."""
+    tp_overlap_fraction: float = 0.8
+    """With ``tp_overlap``: the fraction of a block's GEMM time that hides its TP collectives."""
     eager_elementwise: tuple[float, float] = (90.0, 13.0)
     """(c_h, c_i): element-wise traffic per token per layer, forward + backward, unfused eager kernels."""
     fused_elementwise: tuple[float, float] = (14.0, 5.0)
     """(c_h, c_i) with fused kernels (torch.compile, Transformer Engine, MindSpore graph mode)."""
+    moe_permute: float = 6.0
+    """Element-wise passes over the ``top_k x h`` routed copies of a token (gather, scale, scatter-add)."""
     latency_s: float = 20e-6
     """Fixed cost of one collective or send."""
+    gemm: GemmModel = field(default_factory=GemmModel)
 
 
 @dataclass
@@ -67,19 +94,30 @@ class StepTime:
     dp_total: float
     model_flops: float
     """Model FLOPs per device per step (6N + attention, no recompute): the MFU numerator."""
+    ep_comm: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
+    stage_microbatch_s: list[float] = field(default_factory=list)
+    """Micro-batch time of each pipeline rank (the slowest sets the pace)."""
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.pp_bubble + self.pp_p2p + self.dp_exposed + self.cp_exposed
-                + self.optimizer)  # fmt: skip
+        return (self.compute + self.tp_comm + self.ep_comm + self.pp_bubble + self.pp_p2p + self.dp_exposed
+                + self.cp_exposed + self.optimizer)  # fmt: skip
 
 
 def group_bandwidth(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> float:
-    """Bytes/s per rank of a collective over ``size`` ranks spaced ``stride`` apart in rank order."""
+    """Bytes/s per rank of a ring collective over ``size`` ranks spaced ``stride`` apart in rank order.
+
+    Inside one node: the intra-node link. Across nodes, a ring with ``k`` members in each node crosses each node
+    boundary once per channel, and NCCL spreads its channels over the NICs; the other groups of the same
+    layout run concurrently on the node's other NICs, so each group gets ``k`` NICs: ``min(intra, k x inter)``
+    (a pure data-parallel ring with all 8 GPUs of a node: 8 NICs; one GPU per node, e.g. DP under TP8: 1).
+    """
     dev = cluster.device
-    intra = size * stride <= cluster.devices_per_node
-    return (dev.intra_node_bw_gbs if intra else dev.inter_node_bw_gbs) * 1e9 * eff.link_efficiency
+    if size * stride <= cluster.devices_per_node:
+        return dev.intra_node_bw_gbs * 1e9 * eff.link_efficiency
+    per_node = max(1, min(size, cluster.devices_per_node // max(stride, 1)))
+    return min(dev.intra_node_bw_gbs, per_node * dev.inter_node_bw_gbs) * 1e9 * eff.link_efficiency
 
 
 def _collective(nbytes: float, size: int, bw: float, eff: Efficiency, kind: str = "ag") -> float:
@@ -90,118 +128,219 @@ def _collective(nbytes: float, size: int, bw: float, eff: Efficiency, kind: str 
     return factor * (size - 1) / size * nbytes / bw + eff.latency_s
 
 
+def _all_to_all(nbytes: float, size: int, stride: int, cluster: Cluster, eff: Efficiency) -> float:
+    """One all-to-all of ``nbytes`` per rank over ``size`` ranks ``stride`` apart (intra / inter in parallel)."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    dev = cluster.device
+    inside = min(size, max(1, cluster.devices_per_node // stride))
+    intra = (inside - 1) / size * nbytes / (dev.intra_node_bw_gbs * 1e9 * eff.link_efficiency)
+    inter = (size - inside) / size * nbytes / (dev.inter_node_bw_gbs * 1e9 * eff.link_efficiency)
+    return max(intra, inter) + eff.latency_s
+
+
+@dataclass
+class _RankTime:
+    """One pipeline rank's micro-batch: compute, exposed TP / EP / CP and its GEMM time."""
+
+    compute: float
+    tp: float
+    ep: float
+    cp: float
+    chunks: int
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.ep + self.cp
+
+
+def _mean_keys(args: TransformerArgs, seq: int) -> float:
+    """Keys per query averaged over the blocks (causal seq / 2; a sliding window its mean)."""
+    keys = [
+        args.sliding_window - args.sliding_window**2 / (2 * seq)
+        if getattr(args, "sliding_window", 0) and args.is_sliding_layer(i) and args.sliding_window < seq
+        else seq / 2
+        for i in range(args.num_layers)
+    ]
+    return sum(keys) / max(len(keys), 1)
+
+
+def _rank_time(
+    args: TransformerArgs, lay: Layout, cluster: Cluster, shape: RankShape, fused: bool, eff: Efficiency
+) -> _RankTime:
+    dev, t, cp, a = cluster.device, lay.tp, lay.cp, lay.act_bytes
+    h, v = args.hidden_size, args.vocab_size
+    tokens = lay.micro_batch_size * lay.seq_length / cp
+    ceiling = dev.peak_flops * dev.matmul_efficiency
+    rc = {"none": 0.0, "selective": 1.0 / max(lay.recompute_every, 1), "full": 1.0}[lay.recompute]
+    mega = lay.bf16_weights
+
+    dense_s, _ = block_gemm_time(args, lay, dev, tokens, False, eff.gemm)
+    moe_s, _ = block_gemm_time(args, lay, dev, tokens, True, eff.gemm) if shape.moe_layers else (0.0, 0.0)
+    gemm_layers = shape.dense_layers * dense_s + shape.moe_layers * moe_s
+    width = args._attention_width() if hasattr(args, "_attention_width") else args.head_dim
+    attn_flops = 14 * _mean_keys(args, lay.seq_length) * tokens * args.num_heads * width / t
+    attn_layer = attn_flops / (ceiling * eff.attention_ratio)
+    c_h, c_i = eff.fused_elementwise if fused else eff.eager_elementwise
+    dense_bytes = a * (c_h * h + c_i * args.intermediate_size) / t * tokens
+    k, hm = args.top_k, args.moe_hidden_size
+    moe_bytes = a * (c_h * h + c_i * (k + args.shared_experts) * hm + eff.moe_permute * k * h) / t * tokens
+    elem = (shape.dense_layers * dense_bytes + shape.moe_layers * moe_bytes) / (dev.memory_bw_gbs * 1e9)
+    compute = (gemm_layers + shape.layers * attn_layer + elem) * (1 + rc / 3)
+    if shape.head:
+        compute += head_gemm_time(args, lay, dev, tokens, eff.gemm)
+        compute += (
+            tokens * v / (1 if mega else t) * (a + 12) / (dev.memory_bw_gbs * 1e9)
+        )  # logits, softmax, grad
+    if not mega and lay.precision != "fp32" and lay.pp == 1:  # autocast's weight casts, every micro-batch
+        dense, expert = rank_params(args, lay, shape)
+        compute += (1 + rc) * 6 * (dense + expert) / (dev.memory_bw_gbs * 1e9)
+
+    # tensor parallel (sequence parallel): per block, forward and backward collectives and what hides them
+    tp = 0.0
+    if t > 1:
+        bw = group_bandwidth(cluster, t, 1, eff)
+        msg = tokens * h
+        if mega:  # bf16; backward gathers the two saved inputs again
+            one = _collective(msg * a, t, bw, eff)
+            fwd, bwd = (4 + 4 * rc) * one, 6 * one
+        else:  # the norm outputs are gathered in fp32 (and their gradients reduce-scattered in fp32)
+            gathered = MASTER_BYTES if lay.precision != "fp32" else a
+            pair = _collective(msg * gathered, t, bw, eff) + _collective(msg * a, t, bw, eff)
+            fwd, bwd = (2 + 2 * rc) * pair, 2 * pair
+        f = eff.tp_overlap_fraction
+        for n_layers, gemm_s in ((shape.dense_layers, dense_s), (shape.moe_layers, moe_s)):
+            fwd_exposed = max(0.0, fwd - f * (1 + rc) * gemm_s / 3) if lay.tp_overlap else fwd
+            # Megatron's linear layers overlap the backward gathers / reduce-scatters with the dgrad / wgrad
+            # GEMMs even without --tp-comm-overlap; torch TP runs them in line
+            bwd_exposed = max(0.0, bwd - f * 2 * gemm_s / 3) if (lay.tp_overlap or mega) else bwd
+            tp += n_layers * (fwd_exposed + bwd_exposed)
+        if shape.head and not mega:
+            tp += _collective(tokens * v * a, t, bw, eff)  # the logits gathered over the vocabulary
+
+    # expert parallel all-to-all, exposed
+    ep = 0.0
+    if shape.moe_layers and lay.ep > 1:
+        rows = tokens / t * k * h
+        dispatch = rows * (MASTER_BYTES if not mega and lay.precision != "fp32" else a)
+        one_way = _all_to_all(dispatch, lay.ep, t * cp, cluster, eff) + _all_to_all(
+            rows * a, lay.ep, t * cp, cluster, eff
+        )
+        ep = shape.moe_layers * one_way * (2 + rc)
+
+    # context parallel: ring K/V exchange per layer, hidden behind the attention of the same step
+    cp_t = 0.0
+    if cp > 1:
+        cp_bw = group_bandwidth(cluster, cp, t, eff)
+        kv_msg = tokens * 2 * args.num_kv_heads * args.head_dim / t * a
+        ring = 3 * (cp - 1) * (kv_msg / cp_bw + eff.latency_s)  # forward once, backward twice (kv + dkv)
+        cp_t = shape.layers * max(0.0, ring - attn_layer)
+    return _RankTime(compute, tp, ep, cp_t, len(shape.chunks))
+
+
+def _dp_traffic(
+    lay: Layout, cluster: Cluster, dense: float, expert: float, eff: Efficiency
+) -> tuple[float, float, float]:
+    """(gather once per step, reduce once per step, traffic per micro-batch) in seconds, one rank."""
+    t, cp = lay.tp, lay.cp
+    mega = lay.bf16_weights
+    fsdp = dense + (expert if lay.ep == 1 else 0.0)
+    pbytes = lay.act_bytes if mega else MASTER_BYTES  # gathered parameter dtype
+    gbytes = lay.act_bytes if (mega and lay.zero_stage > 0) else 4  # reduced gradient dtype
+    shard = lay.dp_shard * cp if lay.zero_stage > 0 else 1
+    rep = lay.dp_replicate if lay.zero_stage > 0 else lay.dp * cp
+    shard_bw = group_bandwidth(cluster, shard, t, eff)
+    rep_bw = group_bandwidth(cluster, rep, t * shard, eff)
+    if lay.zero_stage == 0:
+        reduce = _collective(gbytes * fsdp, rep, rep_bw, eff, "ar")
+        gather = 0.0
+    else:
+        gather = _collective(pbytes * fsdp, shard, shard_bw, eff)
+        reduce = _collective(gbytes * fsdp, shard, shard_bw, eff, "rs")
+        reduce += _collective(gbytes * fsdp / shard, rep, rep_bw, eff, "ar")
+    edp = (lay.dp * cp) // lay.ep if lay.ep > 1 else 1  # experts under EP: their own data-parallel group
+    if edp > 1:
+        edp_bw = group_bandwidth(cluster, edp, t * cp * lay.ep, eff)
+        reduce += _collective(gbytes * expert, edp, edp_bw, eff, "ar")
+    mode = lay.grad_sync
+    if lay.zero_stage == 3 and lay.reshards_after_forward:  # gathered for forward and again for backward
+        per_mb = 2 * gather
+        if mode == "per_microbatch":
+            return 0.0, 0.0, per_mb + reduce
+        if mode == "replicate_per_step":
+            rs = _collective(gbytes * fsdp, shard, shard_bw, eff, "rs")
+            return 0.0, reduce - rs, per_mb + rs
+        return 0.0, reduce, per_mb
+    if mode == "per_microbatch":
+        return 0.0, 0.0, gather + reduce
+    return gather, reduce, 0.0
+
+
 def estimate_step_time(
     args: TransformerArgs, layout: Layout, cluster: Cluster, fused: bool, eff: Efficiency | None = None
 ) -> StepTime:
-    """Step time of ``layout`` on ``cluster``; ``fused``: element-wise kernels fused (compile / graph mode)."""
+    """Step time of ``layout`` on ``cluster``; ``fused``: the run compiles (``train.compile`` / graph mode)."""
     eff = eff or Efficiency()
-    dev, lay = cluster.device, layout
-    t, cp, pp, m = lay.tp, lay.cp, lay.pp, lay.grad_accum
-    a = lay.act_bytes
-    rate = dev.peak_flops * dev.matmul_efficiency
-    tokens_mb = lay.micro_batch_size * lay.seq_length  # tokens of one micro-batch (whole sequence)
-    local_tokens = tokens_mb / cp
-    h, inter, v = args.hidden_size, args.intermediate_size, args.vocab_size
+    lay, dev = layout, cluster.device
+    m = lay.grad_accum
+    fused = fused and (lay.tp == 1 or lay.bf16_weights)
+    shapes = rank_shapes(args, lay)
+    times = [_rank_time(args, lay, cluster, s, fused, eff) for s in shapes]
+    slow = max(range(len(times)), key=lambda r: times[r].total)
+    t_mb = times[slow].total
 
-    # --- compute of one micro-batch on the busiest stage -----------------------------------------------------
-    layers = max(stage_layers(args, pp))
-    block_w = args._layer_params() - 2 * h  # matmul weights of one block (norms are element-wise)
-    rc_fwd = {"none": 0.0, "selective": 1.0 / max(lay.recompute_every, 1), "full": 1.0}[lay.recompute]
-    mm_flops = 6 * block_w / t * local_tokens * layers * (1 + rc_fwd / 3)
-    # Flash attention's backward recomputes Q K^T: 7 causal matmul passes executed where the model FLOP
-    # count (6 L s nh hd) has 6 (forward 2, backward 4).
-    attn_flops = (
-        7 * args.num_heads * args.head_dim * lay.seq_length / t * local_tokens * layers * (1 + rc_fwd / 3)
-    )
-    out_flops = 6 * v * h / t * local_tokens  # output projection, on the last stage
-    c_h, c_i = eff.fused_elementwise if fused else eff.eager_elementwise
-    elem_bytes = a * (c_h * h + c_i * inter) / t * local_tokens * layers * (1 + rc_fwd / 3)
-    loss_bytes = local_tokens * v * (a + 12)  # logits: cast to fp32, softmax, gradient
-    t_compute_mb = (
-        (mm_flops + out_flops / pp) / rate
-        + attn_flops / (rate * eff.attention_ratio)
-        + (elem_bytes + loss_bytes / pp) / (dev.memory_bw_gbs * 1e9)
-    )
-
-    # --- tensor parallel (sequence parallel): on the critical path -------------------------------------------
-    tp_bw = group_bandwidth(cluster, t, 1, eff)
-    act_msg = local_tokens * h * a  # one block activation, whole sequence slice of this CP rank
-    n_coll = 8 + 4 * rc_fwd
-    t_tp_mb = layers * n_coll * _collective(act_msg, t, tp_bw, eff)
-    t_tp_mb += _collective(local_tokens * v * a, t, tp_bw, eff) / pp  # logits gathered over the vocabulary
-
-    # --- context parallel: ring K/V exchange per layer, hidden behind the attention of the same step --------
-    t_cp_mb = 0.0
-    if cp > 1:
-        cp_bw = group_bandwidth(cluster, cp, t, eff)
-        kv_msg = local_tokens * 2 * args.num_kv_heads * args.head_dim / t * a
-        ring = 3 * (cp - 1) * (kv_msg / cp_bw + eff.latency_s)  # forward once, backward twice (kv + dkv)
-        t_cp_mb = layers * max(0.0, ring - attn_flops / layers / (rate * eff.attention_ratio))
-
-    t_mb = t_compute_mb + t_tp_mb + t_cp_mb
-    # --- pipeline -------------------------------------------------------------------------------------------
-    vs = lay.virtual_stages if lay.schedule == "interleaved_1f1b" else 1
-    bubble_slots = 0.0
-    if pp > 1:
-        bubble_slots = {"zero_bubble": (pp - 1) / 3, "zbv": (pp - 1) / 6}.get(lay.schedule, (pp - 1) / vs)
-    pp_stride = t * cp * lay.dp
+    # pipeline: the slowest rank sets the pace; the others' chunk times fill and drain the pipeline
+    bubble = 0.0
+    if lay.pp > 1:
+        factor = 1.0 / 3 if lay.schedule in ("zero_bubble", "zbv") else 1.0
+        bubble = factor * sum(tr.total / tr.chunks for r, tr in enumerate(times) if r != slow)
     p2p = 0.0
-    if pp > 1:
-        pp_bw = group_bandwidth(cluster, 2, pp_stride, eff)
-        p2p = 2 * (pp - 1) * vs * (local_tokens * h * a / t / pp_bw + eff.latency_s)
+    if lay.pp > 1:
+        tokens = lay.micro_batch_size * lay.seq_length / lay.cp
+        pp_bw = group_bandwidth(cluster, 2, lay.tp * lay.cp * lay.dp, eff)
+        msg = tokens * args.hidden_size / lay.tp * (lay.act_bytes if lay.bf16_weights else MASTER_BYTES)
+        p2p = 2 * (lay.pp - 1) * lay.chunks_per_rank * (msg / pp_bw + eff.latency_s)
 
-    # --- data parallel / ZeRO (FSDP2) ------------------------------------------------------------------------
-    p_local = max(_stage_params_all(args, lay))
-    work = a  # working-copy bytes (param dtype)
-    shard_size = lay.dp_shard * cp if lay.zero_stage > 0 else 1
-    rep_size = lay.dp_replicate if lay.zero_stage > 0 else lay.dp * cp
-    shard_bw = group_bandwidth(cluster, shard_size, t, eff)
-    rep_bw = group_bandwidth(cluster, rep_size, t * shard_size, eff)
-    grad_bytes = 4.0 * p_local
-    if lay.zero_stage == 0:
-        t_dp_once = _collective(grad_bytes, rep_size, rep_bw, eff, "ar")
-        ag_fwd = 0.0
-    else:
-        gathers = 2 if lay.zero_stage == 3 else 1
-        ag_fwd = _collective(work * p_local, shard_size, shard_bw, eff)
-        t_dp_once = gathers * ag_fwd + _collective(grad_bytes, shard_size, shard_bw, eff, "rs")
-        t_dp_once += _collective(grad_bytes / shard_size, rep_size, rep_bw, eff, "ar")
-    if pp == 1:  # every micro-batch reduces; hidden behind that micro-batch's compute
-        dp_total = m * t_dp_once
-        tail = t_dp_once / max(layers, 1)  # the last block's reduction and the first block's gather
-        dp_exposed = m * (max(0.0, t_dp_once - eff.dp_overlap * t_compute_mb) + tail)
-    else:  # once per step: the gather hides behind the first forward, the reduction behind the last backward
-        dp_total = t_dp_once
-        rs = t_dp_once - (2 if lay.zero_stage == 3 else 1) * ag_fwd
-        dp_exposed = max(0.0, ag_fwd - eff.dp_overlap * t_compute_mb / 3)
-        dp_exposed += max(0.0, rs - eff.dp_overlap * 2 * t_compute_mb / 3)
-        if lay.zero_stage == 3:
-            dp_exposed += max(0.0, ag_fwd - eff.dp_overlap * 2 * t_compute_mb / 3)
+    # data parallel: the worst rank's exposed traffic
+    dp_exposed, dp_total, n_opt_max = 0.0, 0.0, 0.0
+    for shape, tr in zip(shapes, times):
+        dense, expert = rank_params(args, lay, shape)
+        gather, reduce, per_mb = _dp_traffic(lay, cluster, dense, expert, eff)
+        window = tr.compute  # the gather hides behind a first forward, the reduction behind a last backward
+        exposed = max(0.0, gather - eff.dp_overlap * window / 3)
+        exposed += max(0.0, reduce - eff.dp_overlap * 2 * window / 3)
+        exposed += m * max(0.0, per_mb - eff.dp_overlap * window)
+        exposed += (reduce + per_mb) / max(shape.layers, 1)  # the last block's reduction
+        dp_exposed = max(dp_exposed, exposed)
+        dp_total = max(dp_total, gather + reduce + m * per_mb)
+        n_opt_max = max(n_opt_max, dense / lay.shard_degree + expert / lay.expert_shard_degree)
 
-    # --- optimizer step: memory bound (read p, g, m, v; write p, m, v; + the norm for clipping) -----------
-    n_opt = p_local / (shard_size if lay.zero_stage > 0 else 1)
     if lay.offload:
-        t_opt = n_opt * 32 / 50e9 + n_opt * (work + 4) / 25e9  # host Adam + PCIe transfers (~25 GB/s)
+        work = MASTER_BYTES
+        t_opt = n_opt_max * 32 / 50e9 + n_opt_max * (work + 4) / 25e9  # host Adam + PCIe transfers (~25 GB/s)
     else:
-        t_opt = n_opt * (7 * MASTER_BYTES + 4) / (dev.memory_bw_gbs * 1e9)
+        t_opt = n_opt_max * (7 * MASTER_BYTES + 4) / (dev.memory_bw_gbs * 1e9)
+    if not lay.bf16_weights and lay.precision != "fp32" and lay.pp > 1:  # autocast casts, once per step
+        dense, expert = rank_params(args, lay, shapes[slow])
+        t_opt += 6 * (dense + expert) / (dev.memory_bw_gbs * 1e9)
 
+    tokens_mb = lay.micro_batch_size * lay.seq_length
     model_flops = args.flops_per_token(lay.seq_length) * tokens_mb * m * lay.dp / lay.world_size
+    st = times[slow]
     return StepTime(
-        compute=m * t_compute_mb,
-        tp_comm=m * t_tp_mb,
-        pp_bubble=bubble_slots * t_mb,
+        compute=m * st.compute,
+        tp_comm=m * st.tp,
+        pp_bubble=bubble,
         pp_p2p=p2p,
         dp_exposed=dp_exposed,
-        cp_exposed=m * t_cp_mb,
+        cp_exposed=m * st.cp,
         optimizer=t_opt,
         dp_total=dp_total,
         model_flops=model_flops,
-        parts={"t_microbatch": t_mb, "bubble_slots": bubble_slots},
-    )
-
-
-def _stage_params_all(args: TransformerArgs, lay: Layout) -> list[int]:
-    return [stage_params(args, lay.tp, lay.pp, s) for s in range(lay.pp)]
+        ep_comm=m * st.ep,
+        parts={"t_microbatch": t_mb, "slowest_stage": float(slow), "bubble_slots": bubble / t_mb if t_mb else 0.0},
+        stage_microbatch_s=[tr.total for tr in times],
+    )  # fmt: skip
 
 
 __all__ = ["Efficiency", "StepTime", "estimate_step_time", "group_bandwidth"]

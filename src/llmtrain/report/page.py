@@ -14,7 +14,7 @@ import html
 import json
 import time
 
-from llmtrain.report.plots import PLOTS
+from llmtrain.report.plots import plot_titles
 from llmtrain.report.run_data import RunData, summary_value
 
 CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
@@ -125,7 +125,7 @@ def events_table(run: RunData) -> str:
 def render_page(run: RunData, svgs: dict[str, str], plan: dict | None, plan_note: str) -> str:
     figures = "".join(
         f'<figure id="plot-{pid}" data-plot="{pid}"><figcaption>{html.escape(title)}</figcaption>{svgs[pid]}</figure>'
-        for pid, title in PLOTS.items()
+        for pid, title in plot_titles(run).items()
     )
     title = html.escape(f"llmtrain report: {run.run_dir.name}")
     return (

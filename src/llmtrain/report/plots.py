@@ -5,12 +5,17 @@ Every plot function takes the :class:`RunData` and an ``Axes`` and draws on it; 
 with a "no data yet" note, so the page's layout (and the DOM test) does not depend on what the run logged.
 Stage boundaries are dotted vertical lines on every step-axis plot; the loss plot also marks rollbacks
 (the abandoned rows faint, the re-trained window shaded) and skipped NaN steps.
+
+Downstream scores (the ``eval/<task>/<metric>`` fields of in-loop evaluations) get one plot each, after the
+fixed ones: :func:`plot_titles` lists them for the run (id ``eval-<task>-<metric>``), with the standard error
+as a band when the rows have one.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Callable
 
 from llmtrain.report.run_data import RunData
@@ -23,14 +28,16 @@ PLOTS: dict[str, str] = {
     "tokens_per_s": "Throughput (tokens/s)",
     "mfu": "MFU",
     "memory": "Memory (peak, per rank)",
-    "time_split": "Step time split: compute / communication / data / other",
+    "time_split": "Step time split: compute / communication / data / downstream eval / other",
     "rank_step_time": "Per-rank busy time per step (s)",
     "events": "Events timeline",
 }
 SPLIT = (("time_compute_frac", "compute"), ("time_comm_frac", "communication"), ("time_data_frac", "data"),
-         ("time_other_frac", "other"))  # fmt: skip
+         ("time_eval_frac", "downstream eval"), ("time_other_frac", "other"))  # fmt: skip
+OPTIONAL_SPLIT = ("time_eval_frac",)  # absent from runs made before it existed: 0
 EVENT_KINDS = ("run_start", "checkpoint", "rollback", "rollback_done", "skip", "resumed", "preempted",
-               "straggler", "stage_start", "stage_end", "checkpoint_fallback", "profile")  # fmt: skip
+               "straggler", "stage_start", "stage_end", "checkpoint_fallback", "profile",
+               "downstream_eval")  # fmt: skip
 
 
 def _xy(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -108,12 +115,16 @@ def _memory(run: RunData, ax) -> bool:
 
 
 def _time_split(run: RunData, ax) -> bool:
-    rows = [r for r in run.latest() if all(isinstance(r.get(k), (int, float)) for k, _ in SPLIT)]
+    needed = [k for k, _ in SPLIT if k not in OPTIONAL_SPLIT]
+    rows = [r for r in run.latest() if all(isinstance(r.get(k), (int, float)) for k in needed)]
     if not rows:
         return False
     x = [int(r["step"]) for r in rows]
     ax.stackplot(
-        x, *[[float(r[k]) for r in rows] for k, _ in SPLIT], labels=[n for _, n in SPLIT], alpha=0.85
+        x,
+        *[[float(r.get(k) or 0.0) for r in rows] for k, _ in SPLIT],
+        labels=[n for _, n in SPLIT],
+        alpha=0.85,
     )
     ax.set_ylim(0, 1)
     ax.set_ylabel("fraction of the step")
@@ -161,8 +172,49 @@ DRAW: dict[str, Callable] = {
 }
 
 
+def downstream_keys(run: RunData) -> list[str]:
+    """The run's downstream metric fields ``eval/<task>/<metric>`` (no ``_stderr``), sorted."""
+    keys = {
+        k
+        for r in run.downstream
+        for k, v in r.items()
+        if k.count("/") == 2 and not k.endswith("_stderr") and isinstance(v, (int, float))
+    }
+    return sorted(keys)
+
+
+def _plot_id(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", key.replace("/", "-"))
+
+
+def plot_titles(run: RunData) -> dict[str, str]:
+    """``{plot_id: title}``: the fixed plots of PLOTS, then one per downstream metric of the run."""
+    extra = {_plot_id(k): f"Downstream: {k.split('/')[1]} {k.split('/')[2]}" for k in downstream_keys(run)}
+    return {**PLOTS, **extra}
+
+
+def _downstream(key: str) -> Callable:
+    def draw(run: RunData, ax) -> bool:
+        rows = sorted(
+            (r for r in run.downstream if isinstance(r.get(key), (int, float))), key=lambda r: r["step"]
+        )
+        if not rows:
+            return False
+        x, y = [int(r["step"]) for r in rows], [float(r[key]) for r in rows]
+        err = [r.get(f"{key}_stderr") for r in rows]
+        if all(isinstance(e, (int, float)) for e in err):
+            lo = [v - float(e) for v, e in zip(y, err)]  # type: ignore[arg-type]
+            hi = [v + float(e) for v, e in zip(y, err)]  # type: ignore[arg-type]
+            ax.fill_between(x, lo, hi, alpha=0.2, label="± 1 stderr")
+        ax.plot(x, y, "o-", ms=3, lw=1.2, label=key[5:])
+        ax.legend(fontsize=7)
+        return True
+
+    return draw
+
+
 def render_all(run: RunData) -> dict[str, str]:
-    """``{plot_id: inline <svg>}`` for every plot of PLOTS."""
+    """``{plot_id: inline <svg>}`` for every plot of :func:`plot_titles` (PLOTS and the downstream ones)."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib
 
@@ -170,10 +222,11 @@ def render_all(run: RunData) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     out = {}
-    for plot_id in PLOTS:
+    draw = {**DRAW, **{_plot_id(k): _downstream(k) for k in downstream_keys(run)}}
+    for plot_id in plot_titles(run):
         with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": f"llmtrain-{plot_id}"}):
             fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=100)
-            drew = DRAW[plot_id](run, ax)
+            drew = draw[plot_id](run, ax)
             if drew:
                 _stages(run, ax)
                 ax.set_xlabel("step")

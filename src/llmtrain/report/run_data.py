@@ -45,6 +45,7 @@ class RunData:
     run_dir: Path
     train: list[dict] = field(default_factory=list)
     val: list[dict] = field(default_factory=list)
+    downstream: list[dict] = field(default_factory=list)  # rows of in-loop downstream evaluations (eval/...)
     events: list[dict] = field(default_factory=list)
     config: dict = field(default_factory=dict)
     bad_lines: int = 0
@@ -129,6 +130,7 @@ def load_run(run_dir: str | Path) -> RunData:
         run_dir=run_dir,
         train=[r for r in rows if r.get("loss") is not None],
         val=[r for r in rows if r.get("val_loss") is not None],
+        downstream=[r for r in rows if any(str(k).startswith("eval/") for k in r)],
         events=events,
         config=config,
         bad_lines=bad + bad_events,

@@ -94,7 +94,8 @@ def resolve_grad_accum(train: TrainConfig, data_parallel: int) -> int:
         raise ConfigError(f"{key}: expected an integer >= 1, got {value}.")
     per_pass = micro * data_parallel
     if batch % per_pass:
-        lower, upper = max(per_pass, batch // per_pass * per_pass), (batch // per_pass + 1) * per_pass
+        lower = max(per_pass, batch // per_pass * per_pass)  # the multiples around batch, two different ones
+        upper = lower + per_pass
         raise ConfigError(
             f"train.batch_size {batch} (the global batch) is not divisible by train.micro_batch_size {micro} x "
             f"data-parallel size {data_parallel} = {per_pass}; use a multiple of {per_pass} (e.g. {lower} or "

@@ -42,6 +42,11 @@ MUTABLE = (
     "recompute.mode",
     "recompute.every",
     "eval.eval_iters",
+    "eval.tasks",
+    "eval.downstream_steps",
+    "eval.limit",
+    "eval.num_fewshot",
+    "eval.batch_size",
     "stability.*",
 )
 

@@ -21,6 +21,17 @@ Order of the checks (the first failure is the one reported):
    the stages) is verified by ``llmtrain.data.verify`` (sha256 against the manifest, token ids against the
    vocabulary), the same check the loader makes, so ``check`` refuses what ``train`` refuses;
 6. advice: settings outside the layout that are legal but have no effect or look unintended become warnings.
+
+``eval.tasks`` is checked with the fields when ``eval.downstream_steps`` is on (and a stage's override of
+them): every task a shipped name or a task YAML file (:func:`llmtrain.eval.tasks.check_specs`, no lm-eval
+needed), lm-eval installed, and one process (in-loop downstream evaluation under FSDP/TP/PP is not supported
+yet: ``llmtrain eval`` scores such a run's checkpoints).
+
+``train.fp8`` is checked with the fields (before any data is read): :func:`_check_fp8` asks
+``llmtrain.distributed.float8`` (the one place of the fp8 rules) about the config alone (CPU / NPU targets,
+tensor parallel: no torch), then about this machine's CUDA device when there is one, and whether torchao is
+installed. A machine without a CUDA device cannot tell whether the cluster's GPUs have fp8: ``check`` warns,
+``train`` (``require_data``) refuses when ``run.device_target: auto`` would train on this machine's CPU.
 """
 
 from __future__ import annotations
@@ -89,6 +100,11 @@ _RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("logging.straggler_patience", _ONE_UP, "an integer >= 1"),
     ("fault.slow_seconds", _NONNEG, "a number >= 0"),
     ("recompute.every", _ONE_UP, "an integer >= 1"),
+    ("train.loss_chunk_tokens", _OPT(_NONNEG), "an integer >= 0 (0: off) or null (automatic)"),
+    ("eval.downstream_steps", _NONNEG, "an integer >= 0 (0 = off)"),
+    ("eval.batch_size", _ONE_UP, "an integer >= 1"),
+    ("eval.limit", _OPT(_ONE_UP), "an integer >= 1 or null (all items)"),
+    ("eval.num_fewshot", _OPT(_NONNEG), "an integer >= 0 or null (the task's default)"),
 ]
 
 
@@ -103,6 +119,9 @@ def check_config(cfg: Config, world_size: int = 1, require_data: bool = True) ->
 
     _check_fields(cfg)
     warnings: list[str] = []
+    _check_downstream(cfg, world_size)
+    _check_fp8(cfg, require_data, warnings)
+    _check_long_context(cfg)
     vocab, found = _check_data(cfg, require_data, warnings)
     parse_mixture(cfg.data.mixture, len(cfg.data.datasets))  # what the loader will refuse
     derived = derive(cfg, world_size, vocab_size=vocab)
@@ -142,6 +161,13 @@ def _check_stages(
         except ConfigError as e:
             raise ConfigError(f"{where}{e}") from None
         raise_fatal(layout_problems(plan.cfg, world_size, d.model_args), prefix=where)
+        if (plan.cfg.recompute.mode == "offload") != (cfg.recompute.mode == "offload"):
+            raise ConfigError(
+                f"{where}recompute.mode {plan.cfg.recompute.mode!r} while the run uses {cfg.recompute.mode!r}: "
+                f"activation offload (recompute.mode: offload) cannot be switched per stage; use it in every "
+                f"stage or in none."
+            )
+        _check_long_context(plan.cfg, where)
         for j, spec in enumerate(cfg.stages[plan.index].datasets):
             key = f"stages[{plan.index}].datasets[{j}].path"
             absent = missing_files(spec.path)
@@ -153,6 +179,25 @@ def _check_stages(
             if not absent and _readable(cfg, spec.path):
                 found.append((key, describe_dataset(spec.path, cfg.data.tokenizer, key)))
     return found
+
+
+def _check_long_context(cfg: Config, where: str = "") -> None:
+    """The chunked loss (train/loss.py) runs inside the model's forward: not under TP or PP; FlexAttention
+    trains only on CUDA (no CPU backward in torch 2.13)."""
+    chunk, par = cfg.train.loss_chunk_tokens, cfg.parallel
+    for key, n in (("tensor_parallel", par.tensor_parallel), ("pipeline_parallel", par.pipeline_parallel)):
+        if chunk and n > 1:
+            raise ConfigError(
+                f"{where}train.loss_chunk_tokens = {chunk} with parallel.{key} = {n}: the chunked loss runs on "
+                f"the model's final hidden states, which {key} does not provide (TP's head takes sequence-"
+                f"sharded input and returns replicated logits; PP's last stage calls the plain loss). Set "
+                f"train.loss_chunk_tokens: 0 or leave it null (automatic: off under TP and PP)."
+            )
+    if cfg.model.attention == "flex" and cfg.run.device_target == "cpu":
+        raise ConfigError(
+            f"{where}model.attention = 'flex' with run.device_target = 'cpu': FlexAttention has no CPU backward "
+            f"in torch 2.13, so it cannot train here. Use model.attention: sdpa (dense masks) or auto."
+        )
 
 
 def _readable(cfg: Config, prefix: str) -> bool:
@@ -220,6 +265,69 @@ def _check_fields(cfg: Config) -> None:
             )
         if not spec.weight > 0:
             raise ConfigError(f"data.datasets[{i}].weight: expected a number > 0, got {spec.weight!r}.")
+
+
+def _check_downstream(cfg: Config, world_size: int) -> None:
+    """``eval.tasks`` (and a stage's ``eval.tasks`` override) when downstream evaluation is on: every task a
+    shipped name or a task YAML (``llmtrain.eval.tasks``), lm-eval installed, one process."""
+    import importlib.util
+
+    from llmtrain.eval.tasks import check_specs
+
+    lists = [("eval.tasks", cfg.eval.tasks, cfg.eval.downstream_steps)]
+    for i, stage in enumerate(cfg.stages):
+        if "eval.tasks" in stage.overrides or "eval.downstream_steps" in stage.overrides:
+            steps = stage.overrides.get("eval.downstream_steps", cfg.eval.downstream_steps)
+            tasks = stage.overrides.get("eval.tasks", cfg.eval.tasks)
+            lists.append((f"stages[{i}].overrides['eval.tasks']", tasks, steps))
+    active = [(key, tasks) for key, tasks, steps in lists if tasks and steps]
+    for key, tasks in active:
+        check_specs(tasks, key)
+    if active and importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            f"{active[0][0]} with eval.downstream_steps > 0 needs lm-evaluation-harness, which is not installed: "
+            "run `pip install 'llmtrain[eval]'` (or `pip install lm-eval`), or set eval.downstream_steps: 0."
+        )
+    if active and world_size > 1:
+        raise ConfigError(
+            f"{active[0][0]} with eval.downstream_steps > 0 on {world_size} processes: in-loop downstream "
+            "evaluation is not supported yet under data/tensor/pipeline parallelism (it runs on one process); "
+            "set eval.downstream_steps: 0 and score the checkpoints with `llmtrain eval RUN_DIR --tasks ...`."
+        )
+
+
+def _check_fp8(cfg: Config, require_data: bool, warnings: list[str]) -> None:
+    """``train.fp8`` rules (module docstring): a ConfigError, a warning, or nothing."""
+    from llmtrain.distributed import float8
+
+    recipe = cfg.train.fp8
+    if recipe == "none":
+        return
+    problem = float8.config_problem(cfg)  # torch-free: cpu / npu targets, tensor parallel
+    if problem:
+        raise ConfigError(problem)
+    import torch
+
+    if torch.cuda.is_available():
+        problem = float8.device_problem(
+            recipe, torch.cuda.get_device_capability(), torch.cuda.get_device_name()
+        )
+    elif cfg.run.device_target == "auto" and require_data:
+        problem = (
+            f"train.fp8 {recipe} with run.device_target auto: this machine has no CUDA device, so the run would "
+            f"train on the CPU, which has no fp8 training GEMMs; run it on a GPU with compute capability >= "
+            f"{'.'.join(map(str, float8.MIN_CAPABILITY[recipe]))} or set train.fp8: none."
+        )
+    else:
+        warnings.append(
+            f"train.fp8 {recipe}: no CUDA device here to check; the GPUs that train it need compute "
+            f"capability >= {'.'.join(map(str, float8.MIN_CAPABILITY[recipe]))} (H100, H200, B200, L40S)."
+        )
+    problem = problem or float8.torchao_problem(recipe)
+    if problem and (require_data or torch.cuda.is_available()):
+        raise ConfigError(problem)
+    if problem:
+        warnings.append(problem)
 
 
 def _check_data(
@@ -294,6 +402,11 @@ def _advice(cfg: Config) -> list[str]:
         out.append(
             f"train.warmup_steps + train.decay_steps = {t.warmup_steps + t.decay_steps} > train.max_steps "
             f"{t.max_steps}: training stops before the learning rate reaches train.min_lr."
+        )
+    if t.fp8 != "none" and not t.compile:
+        out.append(
+            f"train.fp8 {t.fp8} without train.compile: the fp8 casts run as separate kernels and the step is "
+            f"usually slower than bf16; set train.compile: true."
         )
     if t.loss_scale != "dynamic" and t.precision != "fp16":
         out.append(f"train.loss_scale {t.loss_scale!r} is used only with train.precision fp16.")

@@ -173,6 +173,56 @@ class ValidationCallback(Callback):
         return bool(every) and trainer.step % every == 0
 
 
+class DownstreamEvalCallback(Callback):
+    """``eval.tasks`` scored with lm-eval every ``eval.downstream_steps`` steps of the active stage, before the
+    first step (with ``eval.at_start``) and at the end (llmtrain/eval/). One metrics row per evaluation
+    (``eval/<task>/<metric>`` and ``..._stderr``, ``eval/time_s``), a ``downstream_eval`` event, the time in the
+    ``eval`` phase of the split. Single process only for now (resolve/validate.py refuses world_size > 1):
+    under FSDP/TP/PP every rank would have to run the same forwards."""
+
+    def __init__(self) -> None:
+        self._tokenizer: Any = None
+        self._last: int | None = None  # the step scored last
+
+    @staticmethod
+    def _on(trainer: Trainer) -> bool:
+        ev = trainer.stage_cfg.eval
+        return bool(ev.tasks) and ev.downstream_steps > 0
+
+    def run_start(self, trainer: Trainer) -> None:
+        if self._on(trainer) and trainer.cfg.eval.at_start and trainer.step == 0:
+            self._score(trainer)
+
+    def step_done(self, trainer: Trainer, out: dict) -> None:
+        if self._on(trainer) and trainer.step % trainer.stage_cfg.eval.downstream_steps == 0:
+            self._score(trainer)
+
+    def train_end(self, trainer: Trainer) -> None:
+        if self._on(trainer) and self._last != trainer.step:
+            self._score(trainer)
+
+    def _score(self, trainer: Trainer) -> None:
+        from llmtrain.eval.run import evaluate, metric_fields, run_tokenizer
+        from llmtrain.train.precision import PRECISIONS
+
+        ev, precision = trainer.stage_cfg.eval, trainer.stage_cfg.train.precision
+        if self._tokenizer is None:
+            self._tokenizer = run_tokenizer(trainer.cfg)
+        t0 = time.time()
+        with trainer.timer.phase("eval"):
+            results = evaluate(
+                trainer.model, self._tokenizer, ev.tasks, ev.limit, ev.num_fewshot, ev.batch_size,
+                autocast_dtype=None if precision == "fp32" else PRECISIONS[precision], env_info=False, progress=False,
+            )  # fmt: skip
+        seconds = time.time() - t0
+        self._last = trainer.step
+        fields = metric_fields(results)
+        trainer.log_row({"step": trainer.step, **fields, "eval/time_s": seconds})
+        trainer.events.write(
+            "downstream_eval", step=trainer.step, tasks=list(ev.tasks), seconds=round(seconds, 3)
+        )
+
+
 class StageCallback(Callback):
     """Multi-stage runs: at the last step of a stage (not the last stage) close it, start the next, checkpoint."""
 
@@ -241,6 +291,7 @@ def default_callbacks() -> list[Callback]:
         WatchdogCallback(),
         MetricsCallback(),
         ValidationCallback(),
+        DownstreamEvalCallback(),
         StageCallback(),
         CheckpointCallback(),
         PreemptionCallback(),

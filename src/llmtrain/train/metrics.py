@@ -1,6 +1,6 @@
 """Metrics sinks: ``metrics.jsonl``, TensorBoard, the console (a live progress bar with ETA), the loss plot.
 
-One JSON object per log step (and per validation) goes to ``<run_dir>/metrics.jsonl``, appended so that a resumed
+One JSON object per log step (and per validation, and per downstream evaluation) goes to ``<run_dir>/metrics.jsonl``, appended so that a resumed
 run continues the same file; rows of steps after the resume point left by a crashed run are dropped on resume so
 the file reads as one run. The console shows a rich progress bar when stdout is a terminal and plain lines
 otherwise (CI, log files). Only rank 0 writes.
@@ -84,7 +84,8 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(f"train/{k}" if not k.startswith("val") else f"val/{k}", v, step)
+                    tag = k if k.startswith("eval/") else f"val/{k}" if k.startswith("val") else f"train/{k}"
+                    self.tb.add_scalar(tag, v, step)
         if self.wandb is not None:
             scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
             self.wandb.log(scalars, step=step)
@@ -108,6 +109,9 @@ class MetricsLogger:
         ):
             if key in row and row[key] is not None:
                 parts.append(f"{key} {row[key]:{fmt}}")
+        for key, value in row.items():  # downstream scores: eval/<task>/<metric> (stderr and timing left out)
+            if key.count("/") == 2 and key.startswith("eval/") and not key.endswith("_stderr"):
+                parts.append(f"{key[5:]} {value:.4g}")
         if "step" in row and "tokens_per_s" in row:
             done = int(row["step"]) - self._start_step
             if done > 0:

@@ -8,10 +8,16 @@
 The loss is normalised by the number of target tokens of the whole global batch (not averaged per micro-batch),
 so gradient accumulation and data parallelism compute exactly the single-process gradient. FSDP averages
 gradients over the data-parallel ranks, so the loss is pre-multiplied by their number (``grad_scale``) to undo
-it. Under pipeline parallelism the schedule runs forward and backward of every micro-batch itself
+it. Under gradient accumulation FSDP reduces once per optimizer step, on the last micro-batch (ZeRO 0-2 and
+the replicate dim of HSDP; ZeRO 3 with ``parallel.reduce_grads: per_step``): distributed/grad_sync.py. With
+``train.fp8: tensorwise`` under FSDP the fp8 weight scales of the next step's all-gather are computed once
+after the optimizer step (distributed/float8.py). Under pipeline parallelism the schedule runs forward and backward of every micro-batch itself
 (distributed/pipeline.py); with MoE the router's load figures and aux-free bias update ride along
 (models/common/moe.py). Settings a stage may change (label smoothing, precision, clipping, document masks)
-are read from the config passed in, so a stage switch is a different argument, not a mutation.
+are read from the config passed in, so a stage switch is a different argument, not a mutation. Under context
+parallel each micro-batch is split here (distributed/context_parallel.py): the token count stays the unsplit
+batch's, each rank's loss sums its own tokens, the reported loss is summed over CP and ``grad_scale`` x cp
+undoes FSDP's average over the flattened dp_shard x cp mesh.
 """
 
 from __future__ import annotations
@@ -25,18 +31,23 @@ import torch.nn.functional as F
 
 from llmtrain.config.schema import Config
 from llmtrain.data.loader import BatchIterator
+from llmtrain.distributed import context_parallel, float8, grad_sync
 from llmtrain.resolve.derived import Derived
 from llmtrain.train.fault import FaultInjector
+from llmtrain.train.loss import HeadLoss, resolve_loss_chunk
 from llmtrain.train.precision import LossScaler, autocast, grad_norm_
 from llmtrain.train.timing import StepTimer
 
 
 class TokenLoss:
     """Summed token cross-entropy in fp32 (ignore index -100); the caller divides by the global batch's target
-    tokens. ``label_smoothing`` follows the active stage."""
+    tokens. ``label_smoothing`` follows the active stage. ``chunk_tokens`` > 0 (``train.loss_chunk_tokens``
+    resolved, train/loss.py) makes :meth:`TrainStep.forward_loss` compute it inside the model's forward in
+    token chunks, never holding ``[tokens, vocab]`` logits."""
 
-    def __init__(self, label_smoothing: float = 0.0):
+    def __init__(self, label_smoothing: float = 0.0, chunk_tokens: int = 0):
         self.label_smoothing = float(label_smoothing)
+        self.chunk_tokens = int(chunk_tokens)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(
@@ -71,6 +82,11 @@ class TrainStep:
         self.device, self.timer, self.faults = device, timer, faults
         self.dp_group, self.pipeline, self.moe = dp_group, pipeline, moe
         self.grad_scale, self.world_size = grad_scale, world_size
+        self.cp = context_parallel.find(model)  # context parallel: set by distributed/parallelize.py
+        if self.cp is not None:  # FSDP averages over dp x cp ranks, the loss is a sum over all of them
+            self.grad_scale *= self.cp.size
+        self._sync: grad_sync.GradSync | None = None  # built on the first step (it needs cfg.parallel)
+        self._sync_built = False
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (identity on one rank)."""
@@ -82,9 +98,20 @@ class TrainStep:
     def forward_loss(self, cfg: Config, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         self.loss_fn.label_smoothing = float(cfg.train.label_smoothing)
         mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-        doc_ids = mb["document_ids"] if cfg.model.document_mask else None
-        pos_ids = mb["position_ids"] if cfg.model.document_mask else None
+        if self.cp is not None:  # this rank's sequence chunks; the attention mask is set for all keys
+            mb = self.cp.shard(mb, cfg.model.document_mask)
+        doc_ids = mb["document_ids"] if cfg.model.document_mask and self.cp is None else None
+        pos_ids = mb["position_ids"] if cfg.model.document_mask or self.cp is not None else None
+        vocab = int(getattr(getattr(self.model, "args", None), "vocab_size", 0))
+        chunk = resolve_loss_chunk(cfg.train.loss_chunk_tokens, vocab, cfg.parallel.tensor_parallel)
+        self.loss_fn.chunk_tokens = chunk
         with autocast(cfg.train.precision, self.device.type):
+            if chunk:  # the model runs the chunked loss on its final hidden states (train/loss.py)
+                head_loss = HeadLoss(chunk, self.loss_fn.label_smoothing)
+                return self.model(
+                    mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids, labels=mb["labels"],
+                    head_loss=head_loss,
+                )  # fmt: skip
             logits = self.model(mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids)
         return self.loss_fn(logits, mb["labels"])
 
@@ -106,7 +133,13 @@ class TrainStep:
                     micro_batches, scale, lambda loss: self.faults.poison_loss(step, loss)
                 )
                 micro_batches = []
-            for mb in micro_batches:
+            if not self._sync_built:  # the layout is fixed for the run: one switch, built on first use
+                plain = self.pipeline is None  # (a pipeline schedule switches FSDP's sync itself)
+                self._sync = grad_sync.for_model(self.model, cfg.parallel) if plain else None
+                self._sync_built = True
+            for i, mb in enumerate(micro_batches):
+                if self._sync is not None:  # reduce gradients on the last micro-batch only
+                    self._sync.before_micro_batch(i, len(micro_batches))
                 if self.moe is not None:
                     self.moe.start(self.model, mb, self.scaler.scale * (self.grad_scale / n_tokens))
                 loss = self.faults.poison_loss(step, self.forward_loss(cfg, mb))
@@ -123,8 +156,10 @@ class TrainStep:
             skipped = self.scaler.update(grad_norm)
             if not skipped:
                 self.optimizer.step()
+                float8.after_optimizer_step(self.model, cfg.train.fp8)
             self.optimizer.zero_grad(set_to_none=True)
             moe = self.moe.finish(self.model, self.dp_sum, n_tokens, not skipped) if self.moe else {}
+        loss_sum = self.cp.sum_(loss_sum.float()) if self.cp is not None else loss_sum
         loss_value = self.dp_sum(loss_sum.float()).item() / n_tokens
         timer.step_done()
         return {
@@ -155,6 +190,8 @@ class TrainStep:
                 sums[0] += self.forward_loss(cfg, mb).double()
                 sums[1] += int((mb["labels"] != -100).sum())
         self.model.train()
+        if self.cp is not None:  # each CP rank summed its own tokens' losses (the counts are whole batches')
+            sums[0] = self.cp.sum_(sums[0].clone())
         total, count = self.dp_sum(sums).tolist()
         val_loss = total / max(count, 1)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}

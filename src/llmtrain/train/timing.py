@@ -14,6 +14,7 @@ the stability guard, logging, validation, checkpoint saves). The phases the trai
     comm_norm the global grad-norm reduction over the model's meshes (with the local norm, one pass over the
               gradients; only when world_size > 1 - on one process the norm is compute)
     comm_ctrl small control collectives every step (the preemption flag all-reduce)
+    eval      downstream evaluation of eval.tasks (train/callbacks.py DownstreamEvalCallback)
     other     the rest of the loop
 
 "comm" in the metrics is the sum of the ``comm_*`` phases: *exposed* communication the trainer issues itself,
@@ -42,7 +43,7 @@ from typing import Any
 
 import torch
 
-PHASES = ("data", "compute", "comm_dp", "comm_norm", "comm_ctrl", "other")
+PHASES = ("data", "compute", "comm_dp", "comm_norm", "comm_ctrl", "eval", "other")
 COLLECTIVE_MARKERS = ("nccl", "gloo", "c10d", "all_reduce", "allreduce", "all_gather", "allgather",
                       "reduce_scatter", "_reduce_scatter", "broadcast", "all_to_all", "alltoall")  # fmt: skip
 
@@ -122,7 +123,7 @@ class StepTimer:
 
 
 def split_fractions(seconds: dict[str, float]) -> dict[str, float]:
-    """Metrics-row fields: time_{data,compute,comm,other}_frac (sum 1) and the comm split per kind."""
+    """Metrics-row fields: time_{data,compute,comm,eval,other}_frac (sum 1) and the comm split per kind."""
     total = sum(seconds.get(p, 0.0) for p in PHASES)
     if total <= 0:
         return {}
@@ -131,6 +132,7 @@ def split_fractions(seconds: dict[str, float]) -> dict[str, float]:
         "time_data_frac": seconds.get("data", 0.0) / total,
         "time_compute_frac": seconds.get("compute", 0.0) / total,
         "time_comm_frac": comm / total,
+        "time_eval_frac": seconds.get("eval", 0.0) / total,
         "time_other_frac": seconds.get("other", 0.0) / total,
     }
     for p in PHASES:

@@ -18,7 +18,9 @@ What is filled in (:func:`finish_model`, after the whole file is read):
   ``h = 4 x hidden; h = int((ffn_dim_multiplier + 0.01) x h) if set; h = int(2h / 3)``, rounded up to a
   multiple of ``multiple_of``;
 * RoPE scaling: none (``model.rope_scaling: 1.0``, the identity, so no family default applies), linear for
-  ``extend_method: PI``, a 2.x ``rope_scaling`` mapping as written;
+  ``extend_method: PI``, yarn for ``extend_method: YARN`` (its ``scaling_factor`` mapping, DeepSeek-V3), a 2.x
+  ``rope_scaling`` mapping as written;
+* DeepSeek-V3's MLA / routing / MTP keys: ``config/mindformers/deepseek.py``;
 * ``compute_dtype`` -> ``train.precision``; the MoE keys -> ``model.moe.*``, every field explicit (MindFormers'
   defaults where the file is silent: 1.x top-1, aux 0.05, capacity 1.1; 2.x no aux loss, no capacity);
 * ``offset`` -> ``parallel.pipeline_layers`` (:func:`finish_pipeline`): MindFormers gives stage ``s`` of
@@ -41,6 +43,7 @@ from llmtrain.config.mindformers.common import (
     same,
     walk,
 )
+from llmtrain.config.mindformers.deepseek import finish_deepseek, mtp_layers, yarn_extras
 from llmtrain.config.mindformers.moe import MOE_SPEC, finish_moe
 from llmtrain.errors import ConfigError
 
@@ -264,6 +267,16 @@ def _rope(ctx: Ctx, m: dict[str, tuple[str, Any]], value: dict[str, Any]) -> Non
         ctx.notes.add(
             f"RoPE: {named or 'no scaling'} -> model.rope_scaling 1.0 (linear factor 1: no scaling)."
         )
+    elif str(method).upper() == "YARN":
+        if not isinstance(factor, dict):
+            raise ctx.error(
+                m["extend_method"][0] if "extend_method" in m else "model.model_config.extend_method",
+                f"{method!r} needs scaling_factor as a mapping (factor, original_max_position_embeddings, beta_fast, "
+                f"beta_slow, mscale, mscale_all_dim), got {factor!r}.",
+            )
+        yarn = {"rope_type": "yarn", **yarn_extras(ctx), **factor}
+        ctx.put("model.rope_scaling", yarn)
+        ctx.notes.add(f"{named} -> model.rope_scaling {yarn!r} (YaRN).")
     elif str(method).upper() == "PI":
         ctx.put("model.rope_scaling", {"rope_type": "linear", "factor": float(factor or 1.0)})
         ctx.notes.add(
@@ -289,7 +302,12 @@ def _precision(ctx: Ctx, m: dict[str, tuple[str, Any]], dtype: Any) -> None:
 
 
 def _pending_check(ctx: Ctx, key: str, family: str | None) -> str | None:
-    """The missing family's label, or None after checking that the DeepSeek-only keys are off."""
+    """The missing family's label, or None after mapping (DeepSeek-V3) or checking off the DeepSeek-only keys."""
+    if family == "deepseek_v3":
+        scaling = ctx.out.get("model", {}).get("rope_scaling")
+        yarn = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "yarn"
+        finish_deepseek(ctx, yarn, "model_type" in ctx.facts.get("model", {}))
+        return None
     if family is None:
         waiting = ", ".join(f"{name} {value!r}" for name, value in ctx.facts.get("pending", []))
         ctx.notes.add(
@@ -330,7 +348,8 @@ def finish_pipeline(ctx: Ctx, pp: int) -> None:
     if offset in (0, None):
         ctx.notes.add(f"{name}: 0 -> parallel.pipeline_layers null (an even split).")
         return
-    layers = int(ctx.out["model"]["num_layers"]) + _mtp_layers(ctx)
+    mtp = _mtp_layers(ctx)
+    layers = int(ctx.out["model"]["num_layers"]) + mtp
     avg = layers // (pp * rounds)
     rows = (
         offset if isinstance(offset, list) and offset and isinstance(offset[0], list) else [offset] * rounds
@@ -345,15 +364,21 @@ def finish_pipeline(ctx: Ctx, pp: int) -> None:
         raise ctx.error(
             name, f"{offset!r}: expected {rounds} rows of {pp} offsets (pp_interleave_num rounds)."
         )
+    without = ""
+    if mtp and ctx.out["model"].get("model_type") == "deepseek_v3":  # MTP is not built: off the last stage
+        split[-1] -= mtp
+        without = f", less the {mtp} multi-token-prediction layer(s) MindFormers places on the last stage"
+        if split[-1] < 1:
+            raise ctx.error(
+                name, f"{offset!r}: the last stage would hold only multi-token-prediction layers."
+            )
     ctx.put("parallel.pipeline_layers", split)
     ctx.notes.add(
-        f"{name}: {offset!r} -> parallel.pipeline_layers {split} ({layers} // {pp * rounds} + offset per stage)."
+        f"{name}: {offset!r} -> parallel.pipeline_layers {split} ({layers} // {pp * rounds} + offset per stage"
+        f"{without})."
     )
 
 
 def _mtp_layers(ctx: Ctx) -> int:
     """MindFormers counts multi-token-prediction layers in the pipeline split (DeepSeek-V3's mtp_depth)."""
-    for name, value in ctx.facts.get("pending", []):
-        if name.rsplit(".", 1)[-1] in ("mtp_depth", "num_nextn_predict_layers", "mtp_num_layers") and value:
-            return int(value)
-    return 0
+    return mtp_layers(ctx)

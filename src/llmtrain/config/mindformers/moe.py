@@ -56,6 +56,11 @@ MOE_SPEC: Spec = {  # the MoE keys, valid in a 2.x model_config and in a 1.x moe
         "moe_init_method_std save_token_distribution cur_layer moe_module_name moe_per_layer_logging",
     ),
 }
+# MoE keys whose default a model type sets (tables.MODEL_DEFAULTS: Qwen3-MoE's, DeepSeek-V3's)
+_FAMILY_MOE_DEFAULTS = (
+    "num_experts", "top_k", "moe_hidden_size", "route_norm", "every", "router_score", "shared_experts",
+    "first_dense_layers",
+)  # fmt: skip
 MOE_CONFIG_SPEC: Spec = {  # the 1.x top-level moe_config; DeepSeek-only keys wait for their family
     **MOE_SPEC,
     **{k: pending for k in ("routed_scaling_factor", "n_group", "topk_group", "topk_method")},
@@ -71,13 +76,7 @@ def finish_moe(ctx: Ctx, defaults: dict[str, Any], layout2: bool) -> None:
     """Write ``model.moe.*`` from the collected MoE keys (nothing for a dense model: 1.x ``expert_num: 1``)."""
     got: dict[str, tuple[str, Any]] = ctx.facts.get("moe", {})
     base = dict(T.MOE_DEFAULTS_2X if layout2 else T.MOE_DEFAULTS_1X)
-    base.update(
-        {
-            k: v
-            for k, v in defaults.items()
-            if k in ("num_experts", "top_k", "moe_hidden_size", "route_norm", "every")
-        }
-    )
+    base.update({k: v for k, v in defaults.items() if k in _FAMILY_MOE_DEFAULTS})
 
     def val(c: str) -> Any:
         return got[c][1] if c in got else base.get(c)
@@ -121,7 +120,7 @@ def finish_moe(ctx: Ctx, defaults: dict[str, Any], layout2: bool) -> None:
             where("bias_rate"), "the expert bias is off (balance_via_topk_bias / enable_expert_bias)"
         )
     out["capacity_factor"] = val("capacity_factor")
-    first = got.get("first_dense_layers", ("", 0))[1]
+    first = val("first_dense_layers") or 0
     out["first_dense_layers"] = int(first)
     every = val("every") or 1
     if isinstance(every, bool) or not isinstance(every, int):

@@ -85,13 +85,11 @@ MODEL_TYPES: dict[str, tuple[str | None, bool]] = {
     "qwen2": ("qwen2", False),
     "qwen3": ("qwen3", False),
     "qwen3_moe": ("qwen3", True),
-    "deepseekv3config": (None, True),
-    "deepseek_v3": (None, True),
+    "deepseekv3config": ("deepseek_v3", True),
+    "deepseek_v3": ("deepseek_v3", True),
 }
-MISSING_FAMILIES = {  # -> (the model.model_type it will have, the label the refusal names)
-    "deepseekv3config": ("deepseek_v3", "deepseek_v3 (MLA + DeepSeekMoE)"),
-    "deepseek_v3": ("deepseek_v3", "deepseek_v3 (MLA + DeepSeekMoE)"),
-}
+# -> (the model.model_type it will have, the label the refusal names); empty since deepseek_v3 has its family
+MISSING_FAMILIES: dict[str, tuple[str, str]] = {}
 # What MindFormers uses when a file leaves an architecture key out (LlamaConfig's __init__ for 1.x; the
 # Hugging Face config classes MindFormers 2.x mirrors), under the adapter's canonical names (model.py).
 _MF2 = {"seq_length": 4096, "compute_dtype": "bfloat16", "use_flash_attention": True}  # MFModelConfig (r1.8)
@@ -114,8 +112,16 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
         "head_dim": 128, "num_experts": 128, "top_k": 8, "moe_hidden_size": 768, "route_norm": False,
         "every": 1,
     },
-    "deepseekv3config": {"rms_norm_eps": 1e-6, "theta": 10000.0, "tie_word_embeddings": False},
-    "deepseek_v3": {**_MF2, "rms_norm_eps": 1e-6, "theta": 10000.0, "tie_word_embeddings": False},
+    "deepseekv3config": {  # research/deepseek3/deepseek3_config.py
+        "seq_length": 2048, "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "intermediate_size": 18432,
+        "vocab_size": 129280, "rms_norm_eps": 1e-6, "theta": 10000.0, "tie_word_embeddings": False,
+        "initializer_range": 0.006, "compute_dtype": "bfloat16", "use_flash_attention": False,
+    },
+    "deepseek_v3": {  # DeepseekV3Config (Hugging Face): the 671B routing
+        **_MF2, "rms_norm_eps": 1e-6, "theta": 10000.0, "tie_word_embeddings": False, "num_experts": 256,
+        "top_k": 8, "moe_hidden_size": 2048, "shared_experts": 1, "router_score": "sigmoid", "route_norm": True,
+        "first_dense_layers": 3, "every": 1,
+    },
 }  # fmt: skip
 # What a model type's MindFormers code hard-wires whatever the file says (models/qwen3*/modeling_*_train.py
 # build their layer spec with qk_layernorm=True).
@@ -136,7 +142,7 @@ MOE_DEFAULTS_2X: dict[str, Any] = {
     "bias_update_rate": 0.0,
 }  # fmt: skip
 # Keys only a family with Multi-head Latent Attention, routed-expert scaling or multi-token prediction reads
-# (DeepSeek-V3); collected and named in the refusal while that family is missing.
+# (DeepSeek-V3): collected, mapped for deepseek_v3 (config/mindformers/deepseek.py), required off for others.
 MLA_KEYS = (
     "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "qk_pos_emb_head_dim",
     "v_head_dim", "multi_latent_attention", "mla_qkv_concat", "mscale", "mscale_all_dim", "beta_fast",

@@ -24,6 +24,10 @@ computation (:class:`MinHasher`) is pure and runs in the tokenizer workers, batc
 one flat shingle array, one hash function at a time, ``np.minimum.reduceat`` per document; bitwise equal to
 the per-document ``signature``); only the index lookups run in the main process, in input order, so decisions
 do not depend on the worker count.
+
+The staged deduplication (``stages/``: bounded memory per task, local processes or Ray) uses the same
+:class:`MinHasher` signatures and band keys and the same verification (:func:`estimated_jaccard` >=
+``threshold``), but groups equal band keys in hash buckets on disk instead of this index.
 """
 
 from __future__ import annotations
@@ -274,7 +278,7 @@ class DedupIndex:
                 candidates = set(got)
                 candidates.discard(None)
                 if any(
-                    float(np.mean(self._sigs[c] == sigs[j])) >= self.cfg.threshold
+                    float(estimated_jaccard(self._sigs[c], sigs[j])) >= self.cfg.threshold
                     for c in sorted(cast("set[int]", candidates))  # None is discarded just above
                 ):
                     out.append("near_duplicate")
@@ -305,6 +309,13 @@ class DedupIndex:
             for k in bands.tolist():
                 self._bands.setdefault(k, self.size)
             self.size += 1
+
+
+def estimated_jaccard(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The MinHash estimate of the Jaccard similarity: the fraction of equal values of two signatures [P] (a
+    scalar), or of each row pair of two stacks [M, P] (-> [M]). A candidate is a near duplicate when it is at
+    least ``DedupConfig.threshold`` (:class:`DedupIndex` and the staged dedup's ``stages/pairs.py``)."""
+    return np.mean(np.asarray(a) == np.asarray(b), axis=-1)
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:

@@ -4,7 +4,8 @@
 foundation's behaviour: no cleaning, no filters, no dedup, ``concat`` packing, one shard). :func:`process_chunk`
 applies the pure stages to a chunk of documents and returns compact numpy arrays (cheap to pickle back from a
 worker): for each document a status (kept, or the filter's reject reason), its token ids, its exact digest and
-its MinHash band keys and signature. The stateful stages, deduplication decisions, packing and writing, run in
+its MinHash band keys and signature. Its two halves are :func:`screen_chunk` (clean, filter, hash) and
+:func:`tokenize_texts`, which the staged deduplication (``stages/``) runs as separate stages. The stateful stages, deduplication decisions, packing and writing, run in
 the main process in input order (see ``parts``), so the output never depends on the worker count.
 
 Duplicates are tokenized before the main process drops them: deciding first would need a second round trip
@@ -167,11 +168,20 @@ def _minhasher(cfg: DedupConfig) -> MinHasher:
     return MinHasher(cfg)
 
 
-def process_chunk(
-    texts: list[str], opts: PrepareOptions, tok_path: str, eos_token: str | None, tok: Tokenizer | None = None
-) -> ChunkResult:
-    """Clean, filter, hash and tokenize one chunk of documents (in a worker, or in-process with ``tok``)."""
-    tok = tok or cached_tokenizer(tok_path, eos_token)
+@dataclass
+class Screened:
+    """What the stages before tokenization make of a chunk of N documents (:func:`screen_chunk`)."""
+
+    status: list[str]  # [N] KEPT or the cleaning / filter reject reason
+    texts: list[str]  # [K] the kept documents' texts as tokenized and hashed (cleaned, C4 lines removed)
+    digests: np.ndarray | None  # [K] uint64 exact digests (None without dedup)
+    bands: np.ndarray | None  # [K, B] uint64 LSH band keys (None without near dedup)
+    sigs: np.ndarray | None  # [K, P] uint16 signatures
+
+
+def screen_chunk(texts: list[str], opts: PrepareOptions) -> Screened:
+    """Clean, filter and hash one chunk of documents: the pure stages before tokenization (``prepare``'s
+    workers run them inside :func:`process_chunk`; the staged dedup's first stage runs them alone)."""
     if opts.clean:
         texts = [clean_text(t, opts.normalization, opts.mojibake) for t in texts]
     status = [KEPT if t else "empty" for t in texts]
@@ -190,22 +200,18 @@ def process_chunk(
         cjk = None if cjk is None else cjk[np.asarray(keep, dtype=bool)]
     digests = bands = sigs = None
     if opts.dedup != "none":
-        digests = np.zeros(len(texts), dtype=np.uint64)
-        if opts.dedup == "near":
-            mh = _minhasher(opts.minhash)
-            bands = np.zeros((len(texts), opts.minhash.bands), dtype=np.uint64)
-            sigs = np.zeros((len(texts), mh.num_perm), dtype=np.uint16)
-    ids = tok.encode_batch(kept_texts) if kept_texts else []
+        digests = np.asarray([exact_digest(t) for t in kept_texts], dtype=np.uint64)
+        if opts.dedup == "near":  # one batched MinHash over the chunk
+            bands, sigs = _minhasher(opts.minhash).signatures(kept_texts, cjk)
+    return Screened(status, kept_texts, digests, bands, sigs)
+
+
+def tokenize_texts(texts: list[str], tok: Tokenizer, tok_path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths [K] int64 including the EOS, token ids back to back in the shard dtype) of ``texts``."""
+    ids = tok.encode_batch(texts) if texts else []
     for x in ids:
         x.append(tok.eos_id)  # every document ends with EOS in the shards
-    lengths = np.zeros(len(texts), dtype=np.int64)
-    kept = np.asarray([i for i in range(len(texts)) if status[i] == KEPT], dtype=np.int64)  # [K]
-    lengths[kept] = [len(x) for x in ids]
-    if digests is not None:
-        digests[kept] = [exact_digest(t) for t in kept_texts]
-    if bands is not None:
-        assert sigs is not None  # made together with bands
-        bands[kept], sigs[kept] = mh.signatures(kept_texts, cjk)  # one batched MinHash over the chunk
+    lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
     dtype = optimal_dtype(tok.vocab_size)
     try:  # converting to the shard dtype is also the range check (numpy refuses out-of-range ints)
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
@@ -214,4 +220,26 @@ def process_chunk(
             f"Tokenizer '{tok_path}' produced a token id that does not fit the shard dtype {dtype} chosen for "
             f"its vocabulary of {tok.vocab_size} ({e}); the tokenizer's vocabulary size is wrong."
         ) from e
-    return ChunkResult(status, lengths, flat, digests, bands, sigs)
+    return lengths, flat
+
+
+def process_chunk(
+    texts: list[str], opts: PrepareOptions, tok_path: str, eos_token: str | None, tok: Tokenizer | None = None
+) -> ChunkResult:
+    """Clean, filter, hash and tokenize one chunk of documents (in a worker, or in-process with ``tok``)."""
+    tok = tok or cached_tokenizer(tok_path, eos_token)
+    s = screen_chunk(texts, opts)
+    n = len(texts)
+    kept = np.asarray([i for i in range(n) if s.status[i] == KEPT], dtype=np.int64)  # [K]
+    kept_lengths, flat = tokenize_texts(s.texts, tok, tok_path)
+    lengths = np.zeros(n, dtype=np.int64)
+    lengths[kept] = kept_lengths
+    digests = bands = sigs = None
+    if s.digests is not None:
+        digests = np.zeros(n, dtype=np.uint64)
+        digests[kept] = s.digests
+    if s.bands is not None and s.sigs is not None:
+        bands = np.zeros((n, s.bands.shape[1]), dtype=np.uint64)
+        sigs = np.zeros((n, s.sigs.shape[1]), dtype=np.uint16)
+        bands[kept], sigs[kept] = s.bands, s.sigs
+    return ChunkResult(s.status, lengths, flat, digests, bands, sigs)

@@ -26,6 +26,11 @@ removes the work folder and leaves any previous dataset at PREFIX untouched; ``-
 ``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions in
 order, removing duplicates across partitions (phase 2 of the two-phase dedup), and packs and shards them.
 
+With ``--dedup`` (and no ``--partition``) the run takes the staged path (``stages/``): per-partition screening,
+per-bucket candidate pairs, connected components, per-partition tokenizing, each a resumable task with bounded
+memory, on ``--engine local`` (``--workers N`` processes) or ``--engine ray``; ``--stage S --task K`` runs one
+task for a scheduler. ``--partition I/N`` keeps the two-phase path above.
+
 A MindRecord input (``NAME.mindrecord`` or ``NAME0``: MindSpore token rows, every shard of the dataset) skips
 all text stages: ``mindrecord`` reads its rows (``--mindrecord-field``, default ``input_ids``) and writes each
 as one pre-packed sample.
@@ -56,6 +61,8 @@ from llmtrain.data.prep.parts import collect_rejects, run_parts, start_pool
 from llmtrain.data.prep.pipeline import PrepareOptions, cached_tokenizer, options_from
 from llmtrain.data.prep.readers import expand_inputs, iter_documents
 from llmtrain.data.prep.shards import iter_part_batches, write_dataset
+from llmtrain.data.prep.stages.layout import StageSettings, staged_settings
+from llmtrain.data.prep.stages.run import run_stages
 from llmtrain.data.prep.tokenizer_training import TRAINED_EOS, train_on_documents
 from llmtrain.data.samples import digest
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -76,14 +83,18 @@ def prepare(
     partition: tuple[int, int] | None = None,
     overwrite: bool = False,
     mindrecord_field: str | None = None,
+    stages: StageSettings | dict | None = None,
 ) -> dict:
     """Turn ``inputs`` into the dataset ``output`` (a prefix); returns its manifest (or, with ``partition``, the
     partition's summary). See the module docstring for the stages, resume and partitions. MindRecord inputs
-    (token rows, ``mindrecord_field`` naming the field) are converted by :func:`_prepare_mindrecord`."""
+    (token rows, ``mindrecord_field`` naming the field) are converted by :func:`_prepare_mindrecord`.
+    ``stages`` (engine, partitions, buckets, one stage or task): the staged path (``stages/run.py``), which is
+    also the default with dedup (without ``partition``); with ``stage`` 1-4 it returns that stage's summary."""
     opts = options_from(options)
     if text_key is not None:
         opts = dataclasses.replace(opts, text_key=text_key)
     shards = find_inputs([str(i) for i in inputs])
+    staged = staged_settings(stages, opts, partition, mindrecord=shards is not None)
     if shards is not None:
         return _prepare_mindrecord(
             shards, str(output), opts, tokenizer, train_tokenizer, eos_token, max_documents, partition,
@@ -107,16 +118,17 @@ def prepare(
         overwrite=overwrite,
         log=log,
     )
-    pool = start_pool(job)
+    pool = start_pool(job) if staged is None else None  # the staged path starts its own engine
     try:
-        return _prepare(job, pool)
+        return _prepare(job, pool, staged)
     finally:
         if pool is not None:
             pool.terminate()
 
 
-def _prepare(job: PrepareJob, pool: Pool | None) -> dict:
-    """Run ``job`` (its worker pool already started): resume check, parts, then the dataset or partition."""
+def _prepare(job: PrepareJob, pool: Pool | None, staged: StageSettings | None = None) -> dict:
+    """Run ``job`` (its worker pool already started): resume check, parts (or the ``staged`` dedup's
+    stages), then the dataset or partition."""
     start = time.perf_counter()
     output, opts = job.output, job.options
     files = expand_inputs(list(job.inputs))
@@ -147,8 +159,16 @@ def _prepare(job: PrepareJob, pool: Pool | None) -> dict:
     write_json_atomic(state, {"key": key, "identity": identity})
     try:
         tok = given or _tokenizer(job, files, workdir)
-        counters = run_parts(job, files, tok, pool)
-        report = stage_report(counters, opts)
+        parts_dir, parts = workdir, len(files)
+        if staged is None:
+            report = stage_report(run_parts(job, files, tok, pool), opts)
+            batches = iter_part_batches(workdir, len(files))
+        else:
+            result = run_stages(job, files, tok, staged, workdir)
+            if result.summary is not None:  # one stage or task of a scheduled run: the work folder stays
+                return result.summary
+            assert result.report is not None and result.batches is not None and result.parts_dir is not None
+            report, batches, parts_dir, parts = result.report, result.batches, result.parts_dir, result.parts
         if report["stages"]["tokenize"]["out"] == 0:
             raise DataError(
                 f"No documents found in the inputs ({', '.join(map(str, job.inputs))}): every file was empty, "
@@ -167,7 +187,7 @@ def _prepare(job: PrepareJob, pool: Pool | None) -> dict:
             return summary
         manifest = write_dataset(
             output,
-            iter_part_batches(workdir, len(files)),
+            batches,
             optimal_dtype(tok.vocab_size),
             opts.pack,
             opts.seq_length,
@@ -176,9 +196,10 @@ def _prepare(job: PrepareJob, pool: Pool | None) -> dict:
             Path(tok.path),
             extra,
         )
-        collect_rejects(workdir, len(files), opts.rejects)
+        collect_rejects(parts_dir, parts, opts.rejects)
     except DataError:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if staged is None or staged.stage is None:  # a scheduled task leaves the other tasks' work alone
+            shutil.rmtree(workdir, ignore_errors=True)
         raise
     shutil.rmtree(workdir, ignore_errors=True)
     secs = time.perf_counter() - start

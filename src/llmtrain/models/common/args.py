@@ -15,6 +15,11 @@ Every family (Llama 3, Qwen2/3, GLM-4, Baichuan 2) is the same pre-norm block wi
 * ``norm_head``             L2-normalised rows of the output embedding (Baichuan 2).
 * ``num_experts`` > 0       Mixture-of-experts feed-forward (``models/common/moe.py``) in the blocks that
                             ``is_moe_layer`` selects; FLOPs count only the active (top_k) experts.
+* ``sliding_window`` > 0    Sliding-window attention (Mistral, Qwen) in the blocks ``is_sliding_layer``
+                            selects (``sliding_window_layers``; None: all of them).
+* ``post_norms``            RMSNorm of the attention and MLP outputs before each residual add (GLM-4-0414).
+* ``kv_lora_rank`` > 0      Multi-head latent attention (DeepSeek-V3, ``models/common/mla.py``) instead of
+                            GQA: ``head_dim`` is then the rotary width ``qk_rope_head_dim``.
 
 Parameter counts and FLOPs are computed here analytically, so the real-size flavors (8B ... 405B) can be
 costed without building anything; ``num_params`` equals the built model's ``sum(p.numel())`` exactly.
@@ -61,6 +66,13 @@ class TransformerArgs:
     norm_head: bool = False
     tie_word_embeddings: bool = False
     init_std: float = 0.02
+    sliding_window: int = 0
+    """Each query of a sliding block attends to itself and the ``sliding_window - 1`` keys before it (Hugging
+    Face's ``kv_idx > q_idx - sliding_window``); 0: full causal attention."""
+    sliding_window_layers: list[int] | None = None
+    """Block indices that use the window (Qwen's ``layer_types`` / ``max_window_layers``); None: every block."""
+    post_norms: bool = False
+    """GLM-4-0414: ``post_self_attn_layernorm`` / ``post_mlp_layernorm`` on each sub-layer's output."""
     # Mixture of experts (models/common/moe.py); num_experts 0 = dense. See ModelConfig.moe / MoEConfig.
     num_experts: int = 0
     top_k: int = 2
@@ -73,6 +85,22 @@ class TransformerArgs:
     capacity_factor: float | None = None
     moe_every: int = 1
     first_dense_layers: int = 0
+    shared_expert_gate: bool = False
+    """Qwen2-MoE: the shared experts' output is scaled per token by ``sigmoid(x @ gate)`` (gate ``[1, dim]``)."""
+    n_group: int = 1
+    """Group-limited routing (DeepSeek-V3): experts in ``n_group`` groups, a token picks its top_k among the
+    ``topk_group`` groups whose two best scores sum highest; 1 = no groups."""
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights (after route_norm); DeepSeek-V3: 2.5."""
+    # Multi-head latent attention (models/common/mla.py); kv_lora_rank 0 = the GQA attention.
+    q_lora_rank: int = 0
+    """Rank of the query compression (wq_a -> q_norm -> wq_b); 0: one projection wq."""
+    kv_lora_rank: int = 0
+    """Width of the compressed key/value latent (what the KV cache holds, with the rotary key)."""
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` has an MoE feed-forward: past ``first_dense_layers``, and one block in
@@ -82,6 +110,11 @@ class TransformerArgs:
             and layer_id >= self.first_dense_layers
             and (layer_id + 1) % self.moe_every == 0
         )
+
+    def is_sliding_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` attends through the sliding window."""
+        layers = self.sliding_window_layers
+        return self.sliding_window > 0 and (layers is None or layer_id in layers)
 
     @property
     def num_moe_layers(self) -> int:
@@ -103,13 +136,33 @@ class TransformerArgs:
         d, hd = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
         attn = d * q_out + 2 * d * kv_out + q_out * d  # wq, wk, wv, wo
+        if self.kv_lora_rank:
+            attn = self._mla_params()
         if self.qkv_bias:
             attn += q_out + 2 * kv_out
         if self.attention_out_bias:
             attn += d
         if self.qk_norm:
             attn += 2 * hd
-        return attn + self._dense_ffn_params() + 2 * d  # + attention_norm, ffn_norm
+        norms = 4 * d if self.post_norms else 2 * d  # attention_norm, ffn_norm (+ the two post norms)
+        return attn + self._dense_ffn_params() + norms
+
+    def _mla_params(self) -> int:
+        """Parameters of one multi-head latent attention (models/common/mla.py; no biases)."""
+        d, h, rope = self.hidden_size, self.num_heads, self.qk_rope_head_dim
+        qk, r = self.qk_nope_head_dim + rope, self.kv_lora_rank
+        q = d * h * qk  # wq
+        if self.q_lora_rank:  # wq_a, q_norm, wq_b
+            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
+        # wkv_a, wk_rope, kv_norm, wkv_b
+        kv = d * (r + rope) + r + r * h * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + h * self.v_head_dim * d  # + wo
+
+    def _attention_width(self) -> float:
+        """Mean of the score (q.k) and value widths per head: head_dim, or (qk_nope + qk_rope + v) / 2 with MLA."""
+        if self.kv_lora_rank:
+            return (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) / 2
+        return self.head_dim
 
     def _dense_ffn_params(self) -> int:
         """Parameters of one dense feed-forward (w1, w2, w3 and their biases)."""
@@ -123,6 +176,8 @@ class TransformerArgs:
         d, h = self.hidden_size, self.moe_hidden_size
         routed = (self.top_k if active else self.num_experts) * 3 * d * h
         moe = d * self.num_experts + routed + self.shared_experts * 3 * d * h  # router + experts + shared
+        if self.shared_experts and self.shared_expert_gate:
+            moe += d
         return moe - self._dense_ffn_params()
 
     def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
@@ -146,11 +201,19 @@ class TransformerArgs:
         scores and values: ``6 * num_layers * seq_length * num_heads * head_dim``. That attention term is the
         causal count, half of the ``12 * L * T * d`` of full attention, since the masked half is not computed
         by flash kernels (the PaLM / nanoGPT MFU convention uses the full 12; ours is the lower, causal one).
+        A sliding block counts its mean window, ``w - w^2 / 2T`` keys per query instead of ``T / 2``.
         """
         dense = self.num_params(exclude_embedding=True, active=True)  # MoE: the experts a token visits
         if self.tie_word_embeddings:
             dense += self.vocab_size * self.hidden_size
-        attention = 6 * self.num_layers * seq_length * self.num_heads * self.head_dim
+        # keys per query: T/2 causal (the convention above); a window w < T: w - w^2 / (2T) by that count
+        keys = sum(
+            self.sliding_window - self.sliding_window**2 / (2 * seq_length)
+            if self.is_sliding_layer(i) and self.sliding_window < seq_length
+            else seq_length / 2
+            for i in range(self.num_layers)
+        )
+        attention = 12 * keys * self.num_heads * self._attention_width()  # MLA: q.k and v widths differ
         return float(6 * dense + attention)
 
 
@@ -177,6 +240,12 @@ def check_moe_args(values: dict[str, Any]) -> None:
         v = values.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"model.moe.{key} must be an integer >= 0, got {v!r}.")
+    gate = values.get("shared_expert_gate", False)
+    if not isinstance(gate, bool) or (gate and not values.get("shared_experts")):
+        raise ConfigError(
+            f"model.moe.shared_expert_gate must be true or false, and true only with model.moe.shared_experts > 0 "
+            f"(got {gate!r} with shared_experts {values.get('shared_experts', 0)!r})."
+        )
     score = values.get("router_score", "softmax")
     if score not in ("softmax", "sigmoid"):
         raise ConfigError(f"model.moe.router_score must be softmax or sigmoid, got {score!r}.")
@@ -189,3 +258,24 @@ def check_moe_args(values: dict[str, Any]) -> None:
         raise ConfigError(
             f"model.moe.capacity_factor must be a positive number or null (no drop), got {cap!r}."
         )
+    _check_group_routing(values, n, k)
+
+
+def _check_group_routing(values: dict[str, Any], n: int, k: int) -> None:
+    """n_group / topk_group / routed_scaling_factor (DeepSeek-V3's group-limited routing)."""
+    from llmtrain.errors import ConfigError
+
+    groups, top = values.get("n_group", 1), values.get("topk_group", 1)
+    for key, v in (("n_group", groups), ("topk_group", top)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"model.moe.{key} must be a positive integer (1 = no groups), got {v!r}.")
+    if n % groups or (groups > 1 and n // groups < 2) or top > groups or k > top * (n // groups):
+        raise ConfigError(
+            f"model.moe.n_group {groups} must divide num_experts {n} into groups of at least 2 experts (a group "
+            f"scores by its two best), topk_group {top} must be <= n_group, and top_k {k} <= topk_group x "
+            f"experts per group."
+        )
+    scale = values.get("routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ConfigError(f"model.moe.routed_scaling_factor must be a positive number, got {scale!r}.")
+    values["routed_scaling_factor"] = float(scale)

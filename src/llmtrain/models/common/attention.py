@@ -1,6 +1,8 @@
 """Grouped-query self-attention through ``scaled_dot_product_attention``, with document masks and ALiBi.
 
-The mask is decided once per forward by :func:`build_attention_mask` and shared by all layers:
+The masks are decided once per forward by :func:`build_masks` (the one constructor: full + sliding, SDPA or
+FlexAttention per ``model.attention``) and shared by all layers. With flex (models/common/flex.py) they are
+block masks, ALiBi a score mod, and nothing below applies; the dense SDPA masks of :func:`build_attention_mask`:
 
 * plain causal training / prefill: no tensor at all, ``is_causal=True`` so SDPA can pick flash kernels;
 * packed documents (``document_ids [B, T]``): a block-causal boolean mask ``[B, 1, T, T]`` (query i sees
@@ -9,6 +11,11 @@ The mask is decided once per forward by :func:`build_attention_mask` and shared 
   cached ones gets an offset causal mask ``[1, 1, Tq, Tk]``;
 * ALiBi adds ``slope_h * (j - i)`` to the scores and -inf where the boolean mask forbids. Only the index
   difference enters, so a document packed behind others gets the same bias as when it stands alone.
+* sliding window ``w`` (Mistral, Qwen): a second mask, ``AttentionMask.sliding``, also forbids keys with
+  ``j <= i - w`` (Hugging Face's ``kv_idx > q_idx - w``), a banded causal boolean mask for SDPA; blocks built
+  with ``sliding=True`` use it. While every key is inside the window (``past + T <= w``) it is the plain
+  causal mask itself, so short sequences keep the fused causal kernels. With a KV cache the cache keeps every
+  position and the band hides the old ones (decoding one token past the window gets a ``[1, 1, 1, Tk]`` mask).
 
 The attention never trusts ``args.num_heads`` at run time: it infers the local number of query and key/value
 heads from the projected shapes, so a tensor-parallel plan that shards ``wq/wk/wv`` column-wise (and ``wo``
@@ -21,12 +28,14 @@ num_kv_heads)`` (the Hugging Face ``repeat_kv`` order) without materialising rep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.models.common.args import TransformerArgs
+from llmtrain.models.common.flex import FlexMask, choose_attention, document_block_mask, flex_attend
 from llmtrain.models.common.kv_cache import KVCache
 from llmtrain.models.common.layers import RMSNorm
 from llmtrain.models.common.rope import alibi_slopes, apply_rope
@@ -41,6 +50,10 @@ class AttentionMask:
     """Boolean ``[B or 1, 1, Tq, Tk]``; True where query i may attend to key j."""
     rel_pos: torch.Tensor | None = None
     """``[Tq, Tk]`` fp32 key index minus query index (ALiBi only)."""
+    sliding: AttentionMask | None = None
+    """The same mask restricted to the sliding window (None: the model has no window)."""
+    flex: FlexMask | None = None
+    """FlexAttention's block mask (models/common/flex.py); when set, ``allowed`` is None and unused."""
 
 
 def build_attention_mask(
@@ -49,8 +62,10 @@ def build_attention_mask(
     document_ids: torch.Tensor | None,
     alibi: bool,
     device: torch.device,
+    window: int = 0,
 ) -> AttentionMask:
-    """Mask for ``q_len`` new queries after ``past_len`` cached keys (0 without a cache)."""
+    """Mask for ``q_len`` new queries after ``past_len`` cached keys (0 without a cache); ``window`` > 0 also
+    hides keys ``window`` or more positions behind the query."""
     k_len = past_len + q_len
     q_idx = torch.arange(past_len, k_len, device=device)  # absolute query positions [Tq]
     k_idx = torch.arange(k_len, device=device)  # [Tk]
@@ -62,17 +77,50 @@ def build_attention_mask(
         allowed = (same_doc & (k_idx[None, :] <= q_idx[:, None]))[:, None]  # [B, 1, T, T]
     elif (past_len > 0 or alibi) and q_len > 1:
         allowed = (k_idx[None, :] <= q_idx[:, None])[None, None]  # [1, 1, Tq, Tk]
+    if 0 < window < k_len:  # some key falls out of some query's window
+        band = (k_idx[None, :] > q_idx[:, None] - window)[None, None]  # [1, 1, Tq, Tk]
+        causal = (k_idx[None, :] <= q_idx[:, None])[None, None]
+        allowed = band & (allowed if allowed is not None else causal)
     is_causal = allowed is None and q_len > 1
     rel_pos = (k_idx[None, :] - q_idx[:, None]).float() if alibi else None
     return AttentionMask(is_causal=is_causal, allowed=allowed, rel_pos=rel_pos)
 
 
+def build_masks(
+    q_len: int,
+    past_len: int,
+    document_ids: torch.Tensor | None,
+    alibi: bool,
+    device: torch.device,
+    window: int = 0,
+    impl: str = "sdpa",
+    q_positions: torch.Tensor | None = None,
+) -> AttentionMask:
+    """Every mask of one forward (full and, with a ``window``, sliding) for attention ``impl`` = ``model.attention``
+    (auto, sdpa, flex: :func:`~llmtrain.models.common.flex.choose_attention`). Flex masks are block masks over
+    ``past_len + q_len`` keys; ``q_positions`` (flex only) places the queries among them (context parallel)."""
+    k_len = past_len + q_len
+    if choose_attention(impl, document_ids, past_len, device) == "flex":
+        mask = AttentionMask(
+            is_causal=False, flex=document_block_mask(document_ids, q_len, k_len, device, 0, q_positions)
+        )
+        if 0 < window < k_len:
+            flex = document_block_mask(document_ids, q_len, k_len, device, window, q_positions)
+            mask.sliding = AttentionMask(is_causal=False, flex=flex)
+        return mask
+    mask = build_attention_mask(q_len, past_len, document_ids, alibi, device)
+    if 0 < window < k_len:  # else every key is inside the window: the full mask is the same
+        mask.sliding = build_attention_mask(q_len, past_len, document_ids, alibi, device, window)
+    return mask
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA, optional qkv / output bias, QK-norm, (partial) RoPE or ALiBi, a KV cache."""
 
-    def __init__(self, args: TransformerArgs) -> None:
+    def __init__(self, args: TransformerArgs, sliding: bool = False) -> None:
         super().__init__()
         d, hd = args.hidden_size, args.head_dim
+        self.sliding = sliding  # attends through ``mask.sliding`` (the window) when the forward has one
         self.head_dim = hd
         self.rope_interleaved = args.rope_interleaved
         self.wq = nn.Linear(d, args.num_heads * hd, bias=args.qkv_bias)
@@ -84,6 +132,7 @@ class Attention(nn.Module):
         self.alibi = args.position_embedding == "alibi"
         self.num_heads_total = args.num_heads
         self.alibi_heads: tuple[int, int] = (0, args.num_heads)  # query heads held here; a TP plan narrows it
+        self.context_parallel: Any = None  # distributed/context_parallel.py sets it: gathered K/V, its mask
         if self.alibi:
             self.register_buffer("alibi_slopes", alibi_slopes(args.num_heads), persistent=False)
 
@@ -103,6 +152,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         hd = self.head_dim
+        if self.sliding and mask.sliding is not None:
+            mask = mask.sliding
         q = self.wq(x).view(bsz, seqlen, -1, hd)  # [B, T, H_local, hd]
         k = self.wk(x).view(bsz, seqlen, -1, hd)  # [B, T, KV_local, hd]
         v = self.wv(x).view(bsz, seqlen, -1, hd)
@@ -115,9 +166,15 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         if cache is not None:
             k, v = cache.update(layer_key, k, v)  # [B, KV_local, past + T, hd]
+        if self.context_parallel is not None:  # local queries vs every CP rank's keys (global-position mask)
+            k, v = self.context_parallel.gather_kv(k, v)
+            mask = self.context_parallel.mask(self.sliding)
         # Grouped-query attention inside SDPA (no repeated K/V copies in memory): ~15% faster attention on CPU.
         gqa = q.shape[1] != k.shape[1]
 
+        if mask.flex is not None:  # block-sparse FlexAttention (ALiBi as a score mod)
+            out = flex_attend(q, k, v, mask.flex, self.alibi_slopes if self.alibi else None)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
         attn_mask: torch.Tensor | None = mask.allowed
         if self.alibi:
             assert mask.rel_pos is not None

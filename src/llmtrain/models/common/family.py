@@ -24,10 +24,12 @@ from llmtrain.config.schema import ModelConfig
 from llmtrain.errors import ConfigError
 from llmtrain.models.common.args import TransformerArgs, check_moe_args
 from llmtrain.models.common.layers import ACTIVATIONS
+from llmtrain.models.common.mla import check_mla_args
 from llmtrain.models.common.rope import normalize_rope_scaling as rope_normalize
 
-# ModelConfig fields copied onto TransformerArgs when set (same names on both sides).
-_OVERRIDABLE = (
+# ModelConfig fields copied onto TransformerArgs when set (same names on both sides): the architecture a YAML
+# may state (``models.hf_resolve`` compares the same fields with a Hugging Face config.json).
+OVERRIDABLE = (
     "hidden_size",
     "num_layers",
     "num_heads",
@@ -47,6 +49,14 @@ _OVERRIDABLE = (
     "mlp_bias",
     "attention_out_bias",
     "max_position_embeddings",
+    "sliding_window",
+    "sliding_window_layers",
+    "post_norms",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
 )
 _ARG_FIELDS = {f.name for f in fields(TransformerArgs)}
 
@@ -126,7 +136,7 @@ def resolve(spec: FamilySpec, cfg: ModelConfig, vocab_size: int | None) -> Trans
                 f"missing: either name a flavor of {spec.name} ({', '.join(spec.flavors)}) or give "
                 "model.hidden_size, model.num_layers and model.num_heads."
             )
-    for key in _OVERRIDABLE:
+    for key in OVERRIDABLE:
         value = getattr(cfg, key)
         if value is not None:
             values[key] = value
@@ -166,6 +176,7 @@ def _finish(values: dict[str, Any]) -> TransformerArgs:
     """Fill derived fields, check every constraint, build the dataclass."""
     for key in ("hidden_size", "num_layers", "num_heads", "vocab_size", "seq_length"):
         _positive_int(values, key)
+    check_mla_args(values)  # MLA (kv_lora_rank > 0) fixes head_dim and num_kv_heads
     values.setdefault("num_kv_heads", values["num_heads"])
     _positive_int(values, "num_kv_heads")
     if values.get("head_dim") is None:
@@ -209,11 +220,34 @@ def _finish(values: dict[str, Any]) -> TransformerArgs:
     for key in ("rms_norm_eps", "rope_theta", "init_std", "partial_rotary_factor"):
         if key in values:
             values[key] = _positive_float(values, key)
+    _check_sliding(values)
     unknown = set(values) - _ARG_FIELDS
     if unknown:
         raise ConfigError(f"unknown model argument(s) {', '.join(sorted(unknown))}.")
     check_moe_args(values)
     return TransformerArgs(**values)
+
+
+def _check_sliding(values: dict[str, Any]) -> None:
+    """``sliding_window`` an integer >= 0; ``sliding_window_layers`` None or distinct block indices (sorted)."""
+    window = values.get("sliding_window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ConfigError(
+            f"model.sliding_window must be an integer >= 0 (0 = full attention), got {window!r}."
+        )
+    layers, n = values.get("sliding_window_layers"), values["num_layers"]
+    if layers is not None:
+        ok = isinstance(layers, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in layers
+        )
+        if not ok or len(set(layers)) != len(layers):
+            raise ConfigError(
+                f"model.sliding_window_layers must be null (every block) or a list of distinct block indices in "
+                f"[0, {n}), got {layers!r}."
+            )
+        values["sliding_window_layers"] = sorted(layers)
+    if not isinstance(values.get("post_norms", False), bool):
+        raise ConfigError(f"model.post_norms must be true or false, got {values['post_norms']!r}.")
 
 
 def _positive_int(values: dict[str, Any], key: str) -> None:

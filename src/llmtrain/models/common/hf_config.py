@@ -15,9 +15,14 @@ is refused), ``hidden_act`` (silu/swish, gelu/gelu_python, gelu_new/gelu_pytorch
 gelu_accurate/gelu_python_tanh as the tanh approximation), ``attention_bias`` (Llama, Qwen3: q/k/v and
 o_proj biases; GLM: q/k/v), ``mlp_bias`` (Llama), ``tie_word_embeddings``, ``max_position_embeddings``
 (dynamic / longrope scaling read it), ``initializer_range`` (init_std).
-Refused: an active sliding window (Qwen2/3 ``use_sliding_window`` with ``sliding_window`` set and a layer that
-``layer_types`` / ``max_window_layers`` makes sliding), ``attention_dropout`` > 0 (we have no dropout), a
-``quantization_config``, per-layer-type ``rope_parameters``, an unknown ``hidden_act``.
+Sliding windows (:func:`hf_sliding_window`) are honoured where transformers applies them, by the rule of the
+family's class: Mistral / Mixtral ``sliding_window`` on every layer; Qwen2 / Qwen3 only with
+``use_sliding_window``, on the ``layer_types`` sliding layers or those >= ``max_window_layers``; Qwen2-MoE
+with ``use_sliding_window``, on ``layer_types`` or the even layers below ``max_window_layers``; Qwen3-MoE with
+``use_sliding_window`` on every layer. A family that passes ``sliding=True`` (a window it does not implement)
+still refuses an active one.
+Refused: ``attention_dropout`` > 0 (we have no dropout), a ``quantization_config``, per-layer-type
+``rope_parameters``, an unknown ``hidden_act``.
 
 Values are checked by :class:`ConfigReader` (a size that is not a positive integer, a flag that is not a
 boolean: CheckpointError naming the file, key and value). :func:`common_hf_config` writes the keys every
@@ -65,6 +70,7 @@ class HFDefaults:
     max_position_embeddings: int = 2048
     partial_rotary_factor: float = 1.0
     rope_theta: float = 10000.0
+    sliding_window: int | None = 4096
 
 
 class ConfigReader:
@@ -168,6 +174,42 @@ def refuse_unsupported(r: ConfigReader, num_layers: int, sliding: bool) -> None:
         )
 
 
+SLIDING_RULES = ("all", "qwen", "qwen2_moe", "qwen3_moe")
+"""How a transformers class picks its sliding layers (see the module docstring)."""
+
+
+def hf_sliding_window(
+    r: ConfigReader, num_layers: int, rule: str, default: int | None
+) -> tuple[int, list[int] | None]:
+    """``(window, sliding block indices or None for every block)`` as transformers' ``rule`` computes them from
+    config.json; ``(0, None)`` when no layer slides. ``default``: the config class's ``sliding_window``."""
+    assert rule in SLIDING_RULES, rule
+    if rule != "all" and not r.bool("use_sliding_window", False):
+        return 0, None
+    window = r.d.get("sliding_window", default)
+    if window is None:
+        return 0, None
+    window = r.int("sliding_window", window)
+    layers: list[int] | None = None
+    if rule in ("qwen", "qwen2_moe"):
+        types = r.d.get("layer_types")
+        if types is not None:
+            kinds = ("full_attention", "sliding_attention")
+            if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+                raise r._fail("layer_types", types, f"a list of {num_layers} of {' / '.join(kinds)}")
+            layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        else:
+            start = r.int("max_window_layers", 28, minimum=0)
+            layers = [
+                i for i in range(num_layers) if (i >= start if rule == "qwen" else i % 2 == 0 and i < start)
+            ]
+        if not layers:
+            return 0, None
+        if len(layers) == num_layers:
+            layers = None
+    return window, layers
+
+
 def hidden_act(r: ConfigReader) -> str:
     act = r.d.get("hidden_act", "silu")
     if act not in HF_ACTIVATIONS:
@@ -183,13 +225,14 @@ def common_args_from_hf(
     defaults: HFDefaults,
     source: str = "config.json",
     whole_heads: bool = True,
-    sliding: bool = False,
+    sliding: bool | str = False,
     **fixed: Any,
 ) -> TransformerArgs:
     """TransformerArgs from the shared config.json keys; ``fixed`` sets the family's own switches.
 
     ``whole_heads``: the family's transformers class rotates every head dimension (Llama, Qwen), so a
-    ``partial_rotary_factor`` other than 1 is refused. ``sliding``: the family knows a sliding window."""
+    ``partial_rotary_factor`` other than 1 is refused. ``sliding``: a rule of :data:`SLIDING_RULES` (the
+    window is honoured that way), or True (the family knows a window llmtrain does not implement: refused)."""
     r = ConfigReader(d, source)
     heads = r.int("num_attention_heads")
     hidden = r.int("hidden_size")
@@ -215,7 +258,10 @@ def common_args_from_hf(
             f"{source}: head_dim {head_dim} x partial_rotary_factor {partial} = {rotary_dim} rotated dimensions; "
             "it must be even and at least 2."
         )
-    refuse_unsupported(r, layers, sliding)
+    window, window_layers = 0, None
+    if isinstance(sliding, str):
+        window, window_layers = hf_sliding_window(r, layers, sliding, defaults.sliding_window)
+    refuse_unsupported(r, layers, sliding is True)
     values: dict[str, Any] = {
         "family": family,
         "flavor": None,
@@ -236,6 +282,8 @@ def common_args_from_hf(
         "tie_word_embeddings": r.bool("tie_word_embeddings", False),
         "init_std": r.number("initializer_range", 0.02),
         "hidden_act": hidden_act(r),
+        "sliding_window": window,
+        "sliding_window_layers": window_layers,
     }
     values.update(fixed)
     return TransformerArgs(**values)

@@ -10,6 +10,10 @@ up front.
 The cache tracks one ``length`` for the whole model: during a forward every layer writes its new keys at
 ``[length, length + T)`` and reads ``[0, length + T)``; the model then calls :meth:`advance` once. Writing past
 ``max_seq_len`` raises instead of silently reallocating.
+
+Keys and values may differ in width: multi-head latent attention (``models/common/mla.py``) stores its
+compressed latent ``[B, 1, S, kv_lora_rank]`` as the "keys" and its shared rotary key ``[B, 1, S, rope]`` as the
+"values" of a layer, which is all it needs to rebuild every head's keys and values.
 """
 
 from __future__ import annotations
@@ -32,12 +36,20 @@ class KVCache:
         self._v: dict[str, torch.Tensor] = {}
 
     def allocate(
-        self, layer_key: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        layer_key: str,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        v_head_dim: int | None = None,
     ) -> None:
-        """Reserve the buffers of one layer now instead of at its first update."""
+        """Reserve the buffers of one layer now instead of at its first update (``v_head_dim``: the width of
+        the values when it differs from the keys')."""
         shape = (self.batch_size, num_kv_heads, self.max_seq_len, head_dim)
         self._k[layer_key] = torch.zeros(shape, dtype=dtype, device=device)
-        self._v[layer_key] = torch.zeros(shape, dtype=dtype, device=device)
+        v_shape = shape if v_head_dim is None else (*shape[:3], v_head_dim)
+        self._v[layer_key] = torch.zeros(v_shape, dtype=dtype, device=device)
 
     def update(self, layer_key: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v`` [B, KV, T, hd] at the current length; return all keys/values ``[B, KV, length + T, hd]``."""
@@ -50,7 +62,7 @@ class KVCache:
         if bsz != self.batch_size:
             raise ValueError(f"KVCache was made for batch size {self.batch_size}, got a batch of {bsz}")
         if layer_key not in self._k:
-            self.allocate(layer_key, kv_heads, head_dim, k.dtype, k.device)
+            self.allocate(layer_key, kv_heads, head_dim, k.dtype, k.device, v_head_dim=v.shape[-1])
         k_buf, v_buf = self._k[layer_key], self._v[layer_key]
         k_buf[:, :, self.length : end] = k
         v_buf[:, :, self.length : end] = v

@@ -5,10 +5,12 @@ Single-device code, exact and simple; expert parallelism is applied from outside
 
     scores  = softmax | sigmoid(router.gate(x))                        [N, E] fp32
     chosen  = top_k(scores + expert_bias)                              [N, k]  (bias: selection only)
-    weights = scores[chosen] (/ their sum when route_norm)             [N, k]
+              with n_group > 1 among the experts of each token's topk_group best groups (DeepSeek-V3)
+    weights = scores[chosen] (/ their sum when route_norm) x routed_scaling_factor      [N, k]
     sort the N*k (token, expert) assignments by expert (stable: token order within an expert), drop those
     past the expert's capacity, run each expert on its contiguous slice (GroupedExperts), scale by the
-    weights and index_add back into [N, D]; add the shared experts' SwiGLU of every token.
+    weights and index_add back into [N, D]; add the shared experts' SwiGLU of every token (scaled per token by
+    sigmoid(shared_gate(x)) with ``shared_expert_gate``, Qwen2-MoE's gated shared expert).
 
 Load balancing, both optional:
 
@@ -30,6 +32,7 @@ Tokens per expert of the last forward (``last_counts`` [E], before drops) are ke
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -76,17 +79,32 @@ class Router(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.top_k
         self.score, self.route_norm = args.router_score, args.route_norm
+        self.n_group, self.topk_group = args.n_group, args.topk_group
+        self.routed_scaling_factor = args.routed_scaling_factor
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+
+    def _choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores + expert_bias`` [N, E]; with groups, -inf outside each token's ``topk_group`` best groups
+        (a group scores by the sum of its two best biased scores, as DeepSeek-V3's noaux_tc routing)."""
+        biased = scores + self.expert_bias
+        if self.n_group == 1:
+            return biased
+        grouped = biased.view(biased.shape[0], self.n_group, -1)  # [N, G, E / G]
+        best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), self.topk_group, dim=-1).indices  # [N, g]
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [N, G]
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(biased)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scores [N, E] fp32, chosen experts [N, k], their weights [N, k] fp32) for tokens x [N, D]."""
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices  # [N, k]
+        chosen = torch.topk(self._choice_scores(scores), self.top_k, dim=-1).indices  # [N, k]
         weights = scores.gather(1, chosen)
         if self.route_norm:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return scores, chosen, weights
 
     def init_buffers(self) -> None:
@@ -135,9 +153,13 @@ class MoE(nn.Module):
         self.shared_experts: FeedForward | None = None
         if args.shared_experts > 0:
             self.shared_experts = FeedForward(args.hidden_size, args.shared_experts * args.moe_hidden_size)
+        self.shared_gate: nn.Linear | None = None
+        if args.shared_experts > 0 and args.shared_expert_gate:
+            self.shared_gate = nn.Linear(args.hidden_size, 1, bias=False)
         self.aux_grad_scale = 0.0  # set by the trainer before each training forward
         self.last_aux: torch.Tensor | None = None  # detached aux loss of the last forward
         self.last_counts: torch.Tensor | None = None  # [E] assignments per expert of the last forward
+        self.step_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # pipeline: PipelineMoEStats sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -159,7 +181,10 @@ class MoE(nn.Module):
         y = y * weights.flatten()[order, None].to(y.dtype)
         out = torch.zeros_like(x_flat).index_add_(0, token, y)  # [N, D]
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x_flat)
+            shared = self.shared_experts(x_flat)  # [N, D]
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x_flat)) * shared  # [N, 1] gate per token
+            out = out + shared
         self.last_counts = counts.detach()
         if self.aux_loss_coef > 0:
             aux = load_balance_loss(scores, chosen, self.num_experts)
@@ -228,6 +253,8 @@ class MoEStepStats:
         self.counts = counts if self.counts is None else self.counts + counts
 
     def finish(self, model: nn.Module, dp_sum, n_tokens: int, update_bias: bool = True) -> dict:
+        if self.counts is None:  # a pipeline step: the schedule ran the micro-batches (PipelineMoEStats)
+            self.aux_sum, self.counts = PipelineMoEStats.take(model)
         if self.counts is None:
             return {}
         assert self.aux_sum is not None  # end() sets both
@@ -238,3 +265,58 @@ class MoEStepStats:
         balance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).max().item()
         self.aux_sum, self.counts = None, None
         return {"moe_aux_loss": aux, "moe_load_max_over_mean": balance}
+
+
+class PipelineMoEStats:
+    """MoE bookkeeping of a pipeline rank, where torch's schedule runs the micro-batches (distributed/pipeline.py).
+
+    A forward hook on each stage module records, after every training forward of a pipeline micro-batch, the
+    aux loss and expert counts of its MoE blocks (a stage module's forward runs once per micro-batch; activation
+    recompute re-runs blocks, not stage modules, so nothing is counted twice). ``before_step`` sets the aux-loss
+    gradient scale (one value for every micro-batch of the step: the runner passes the mean tokens per pipeline
+    micro-batch, exact when no label is ignored) and ``after_step`` keeps the step's last ``n_mb`` forwards
+    (torch's metadata inference adds one forward on the first step) and leaves their sums on each MoE block for
+    :meth:`MoEStepStats.finish`, which then logs and updates the bias as without a pipeline. Under PP the logged
+    ``moe_*`` figures cover the logging rank's stage only.
+    """
+
+    def __init__(self, stage_modules: Sequence[nn.Module]) -> None:
+        self._forwards: dict[int, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
+        for stage in stage_modules:
+            if moe_layers(stage):
+                stage.register_forward_hook(self._record)
+
+    def _record(self, stage: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for m in moe_layers(stage):
+            if m.training and m.last_counts is not None:
+                self._forwards.setdefault(id(m), []).append((m.last_aux, m.last_counts))
+
+    def before_step(self, model: nn.Module, aux_grad_scale: float) -> None:
+        """Before the schedule's step: ``aux_grad_scale`` is tokens per micro-batch x the loss multiplier."""
+        self._forwards.clear()
+        set_aux_grad_scale(model, aux_grad_scale)
+
+    def after_step(self, model: nn.Module, n_mb: int, tokens_per_mb: float) -> None:
+        """After the schedule's step: each MoE block of ``model`` gets (token-weighted aux sum, counts [E])."""
+        for m in moe_layers(model):
+            recorded = self._forwards.get(id(m), [])[-n_mb:]
+            if recorded:
+                aux = sum((a.float() for a, _ in recorded if a is not None), torch.zeros(()))
+                counts = torch.stack([c for _, c in recorded]).sum(0).float()
+                m.step_stats = (aux.to(counts.device) * tokens_per_mb, counts)
+        self._forwards.clear()
+
+    @staticmethod
+    def take(model: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(aux sum, counts [blocks, E])`` that ``after_step`` left on ``model``'s MoE blocks (cleared), or
+        ``(None, None)`` when there are none (no pipeline, or no MoE block on this stage)."""
+        layers = moe_layers(model)
+        stats = [m.step_stats for m in layers]
+        for m in layers:
+            m.step_stats = None
+        if not layers or any(s is None for s in stats):
+            return None, None
+        kept = [s for s in stats if s is not None]
+        return torch.stack([a for a, _ in kept]).sum(), torch.stack([c for _, c in kept])

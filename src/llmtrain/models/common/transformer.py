@@ -6,7 +6,9 @@ Layout (torchtitan's names, which tensor-parallel plans and FSDP wrapping addres
     rope             RotaryEmbedding (no parameters; None with ALiBi)
     layers           nn.ModuleDict {"0": TransformerBlock, ..., "L-1": ...}
         attention_norm, attention.{wq, wk, wv, wo[, q_norm, k_norm]}, ffn_norm, feed_forward.{w1, w2, w3}
-        (biases: wq/wk/wv with qkv_bias, wo with attention_out_bias, w1/w2/w3 with mlp_bias)
+        (biases: wq/wk/wv with qkv_bias, wo with attention_out_bias, w1/w2/w3 with mlp_bias;
+        attention_post_norm, ffn_post_norm with post_norms, GLM-4-0414; with kv_lora_rank > 0 the attention is
+        MLA, attention.{wq | wq_a, q_norm, wq_b; wkv_a, wk_rope, kv_norm, wkv_b, wo}, models/common/mla.py)
     norm             RMSNorm                                 (None on a non-last pipeline stage)
     output           nn.Linear / NormHead [vocab, dim]       (None on a non-last pipeline stage)
 
@@ -23,27 +25,39 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import cast
 
 import torch
 from torch import nn
 
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.attention import Attention, AttentionMask, build_attention_mask
+from llmtrain.models.common.attention import Attention, AttentionMask, build_masks
 from llmtrain.models.common.kv_cache import KVCache
 from llmtrain.models.common.layers import FeedForward, NormHead, RMSNorm
+from llmtrain.models.common.mla import MultiHeadLatentAttention
 from llmtrain.models.common.moe import MoE
 from llmtrain.models.common.rope import RotaryEmbedding
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``."""
+    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``; with
+    ``post_norms`` each sub-layer's output is RMS-normalised before its residual add (GLM-4-0414)."""
 
     def __init__(self, args: TransformerArgs, layer_id: int) -> None:
         super().__init__()
         self.layer_key = str(layer_id)
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = Attention(args)
+        self.attention: Attention | MultiHeadLatentAttention = (
+            MultiHeadLatentAttention(args)  # DeepSeek-V3 (kv_lora_rank > 0)
+            if args.kv_lora_rank
+            else Attention(args, sliding=args.is_sliding_layer(layer_id))
+        )
+        self.attention_post_norm: RMSNorm | None = None
+        self.ffn_post_norm: RMSNorm | None = None
+        if args.post_norms:
+            self.attention_post_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.ffn_post_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.feed_forward: FeedForward | MoE = (
             MoE(args)
@@ -58,8 +72,14 @@ class TransformerBlock(nn.Module):
         mask: AttentionMask,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, cache, self.layer_key)  # [B, T, dim]
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), rope, mask, cache, self.layer_key)  # [B, T, dim]
+        if self.attention_post_norm is not None:
+            a = self.attention_post_norm(a)
+        h = x + a
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.ffn_post_norm is not None:
+            f = self.ffn_post_norm(f)
+        return h + f
 
 
 class Transformer(nn.Module):
@@ -85,6 +105,7 @@ class Transformer(nn.Module):
             else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         )
         self.tie_weights()
+        self.attention_impl = "sdpa"  # model.attention (auto, sdpa, flex), set by distributed/parallelize.py
 
     def tie_weights(self) -> None:
         """Share ``tok_embeddings.weight`` with ``output`` when the args tie them (and both exist here)."""
@@ -103,9 +124,13 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        labels: torch.Tensor | None = None,
+        head_loss: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` for token ids ``[B, T]`` (hidden states ``[B, T, dim]`` on a stage
         without ``tok_embeddings`` come in as ``input_ids`` and go out when ``output`` is None).
+        With ``labels`` and ``head_loss`` the result is ``head_loss(h, output, labels)`` instead of logits
+        (the chunked loss of train/loss.py, which never holds all logits).
 
         ``position_ids`` [B, T] or [T] default to ``past + arange(T)``; reset them per document together with
         ``document_ids`` [B, T] to make each packed document see exactly what it would see alone.
@@ -122,15 +147,17 @@ class Transformer(nn.Module):
         if position_ids.dim() == 1:
             position_ids = position_ids[None].expand(bsz, seqlen)  # [B, T]
         rope = self.rope(position_ids) if self.rope is not None else None
-        mask = build_attention_mask(
-            seqlen, past, document_ids, self.args.position_embedding == "alibi", h.device
-        )
+        alibi, window = self.args.position_embedding == "alibi", self.args.sliding_window
+        impl = "sdpa" if self.args.kv_lora_rank else self.attention_impl  # MLA attends through SDPA only
+        mask = build_masks(seqlen, past, document_ids, alibi, h.device, window, impl)
         for layer in self.layers.values():
             h = layer(h, rope, mask, cache)
         if cache is not None:
             cache.advance(seqlen)
         if self.norm is not None:
             h = self.norm(h)
+        if head_loss is not None and labels is not None and self.output is not None:
+            return head_loss(h, self.output, labels)  # summed loss, a scalar
         return self.output(h) if self.output is not None else h  # [B, T, vocab]
 
     @torch.no_grad()

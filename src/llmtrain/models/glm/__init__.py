@@ -5,12 +5,53 @@ Llama-shaped blocks with q/k/v bias, 2 key/value heads, and RoPE on only the fir
 checkpoint fuses the MLP's gate and up projections (``gate_up_proj``); ``glm.hf`` splits it into ``w1``/``w3``.
 ``9b``: hidden 4,096, 40 layers, 32 heads of 128, 2 KV heads, ffn 13,696, vocab 151,552, rope_theta 10,000,
 rms_norm_eps 1.5625e-7, untied: 9,399,951,360 parameters.
+
+GLM-4-0414 (Hugging Face ``model_type: glm4``) adds an RMSNorm on the attention output and one on the MLP output,
+each before its residual add (``post_norms``). ``9b_0414`` is GLM-4-9B-0414 (the 9B shape, rms_norm_eps 1e-5,
+max_position_embeddings 32,768): 9,400,279,040 parameters; ``debug_0414`` its test size. TP plan: the common
+one plus the two post norms as sequence-parallel norms (their input is the row-parallel projections'
+sequence-sharded output, and their weight gradients are reduced over the TP ranks like the other norms').
 """
 
 from __future__ import annotations
 
-from llmtrain.models.common.family import COMMON_TP_PLAN, FamilySpec
+from typing import Any
+
+from llmtrain.models.common.args import TransformerArgs
+from llmtrain.models.common.family import FamilySpec, TPPlan
 from llmtrain.models.glm import hf
+
+
+def _block_plan(args: TransformerArgs) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import SequenceParallel  # lazy: torch.distributed.tensor
+
+    from llmtrain.models.common.parallelize import block_plan
+
+    plan: dict[str, Any] = block_plan(args)
+    # local Shard(1) input (the output of wo / w2), local output: the residual add stays on plain tensors
+    if args.post_norms:
+        plan["attention_post_norm"] = SequenceParallel(use_local_output=True)
+        plan["ffn_post_norm"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def _top_plan(args: TransformerArgs) -> dict[str, Any]:
+    from llmtrain.models.common.parallelize import top_plan
+
+    return top_plan(args)
+
+
+GLM_TP_PLAN = TPPlan(block=_block_plan, top=_top_plan)
+"""The common plan (``models/common/parallelize.py``) plus GLM-4-0414's post norms."""
+_DEBUG = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256, "vocab_size": 512}
+_9B = {
+    "hidden_size": 4096,
+    "num_layers": 40,
+    "num_heads": 32,
+    "head_dim": 128,
+    "intermediate_size": 13696,
+    "vocab_size": 151552,
+}
 
 GLM4 = FamilySpec(
     name="glm4",
@@ -38,15 +79,10 @@ GLM4 = FamilySpec(
             "intermediate_size": 1024,
             "vocab_size": 8192,
         },
-        "9b": {
-            "hidden_size": 4096,
-            "num_layers": 40,
-            "num_heads": 32,
-            "head_dim": 128,
-            "intermediate_size": 13696,
-            "vocab_size": 151552,
-        },
+        "9b": dict(_9B),
+        "debug_0414": {**_DEBUG, "post_norms": True},
+        "9b_0414": {**_9B, "post_norms": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768},
     },
     hf=hf,
-    tp_plan=COMMON_TP_PLAN,
+    tp_plan=GLM_TP_PLAN,
 )

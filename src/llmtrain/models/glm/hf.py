@@ -1,4 +1,7 @@
-"""Hugging Face adapter for GLM-4 (``GlmForCausalLM``, as in THUDM/glm-4-9b-hf).
+"""Hugging Face adapter for GLM-4 (``GlmForCausalLM``, ``model_type: glm``, as in THUDM/glm-4-9b-hf) and
+GLM-4-0414 (``Glm4ForCausalLM``, ``model_type: glm4``, THUDM/GLM-4-9B-0414), which is the same model with two
+more RMSNorms per block (``post_self_attn_layernorm``, ``post_mlp_layernorm`` -> our ``attention_post_norm``,
+``ffn_post_norm``; ``post_norms`` true) and ``Glm4Config``'s defaults (the same as ``GlmConfig``'s).
 
 The checkpoint stores the MLP's gate and up projections as one ``mlp.gate_up_proj`` ``[2 * ffn, hidden]``
 (gate rows first); we keep them apart as ``w1`` (gate) and ``w3`` (up) so a column-wise TP plan can shard
@@ -33,6 +36,8 @@ GLM_LAYER = {
     k: v for k, v in LLAMA_LAYER.items() if k not in ("feed_forward.w1.weight", "feed_forward.w3.weight")
 }
 GLM_LAYER[_FUSED] = "mlp.gate_up_proj.weight"
+GLM_LAYER["attention_post_norm.weight"] = "post_self_attn_layernorm.weight"
+GLM_LAYER["ffn_post_norm.weight"] = "post_mlp_layernorm.weight"
 _W1 = re.compile(r"^(layers\.\d+\.feed_forward\.)w1\.weight$")
 
 
@@ -62,19 +67,23 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict
 
 
 def to_hf_config(args: TransformerArgs) -> dict[str, Any]:
-    """config.json content that ``transformers.GlmConfig`` loads."""
+    """config.json content that ``transformers.GlmConfig`` (or, with ``post_norms``, ``Glm4Config``) loads."""
     if args.qk_norm or args.norm_head or args.position_embedding != "rope" or not args.rope_interleaved:
         raise ConfigError("GlmForCausalLM needs interleaved RoPE and no qk_norm / norm_head / alibi.")
     if args.attention_out_bias or args.mlp_bias:
         raise ConfigError("GlmForCausalLM has no o_proj or MLP bias (attention_out_bias / mlp_bias).")
-    d = common_hf_config(args, "GlmForCausalLM", "glm")
+    if args.num_experts or args.sliding_window:
+        raise ConfigError("GlmForCausalLM / Glm4ForCausalLM are dense, without a sliding window.")
+    arch, model_type = ("Glm4ForCausalLM", "glm4") if args.post_norms else ("GlmForCausalLM", "glm")
+    d = common_hf_config(args, arch, model_type)
     d.update(attention_bias=args.qkv_bias, partial_rotary_factor=args.partial_rotary_factor)
     return d
 
 
 def args_from_hf_config(d: dict[str, Any], source: str = "config.json") -> TransformerArgs:
-    """TransformerArgs of a HF ``glm`` config.json."""
+    """TransformerArgs of a HF ``glm`` or ``glm4`` (GLM-4-0414: post norms) config.json."""
     bias = ConfigReader(d, source).bool("attention_bias", True)
+    post = d.get("model_type") == "glm4"
     return common_args_from_hf(
-        d, "glm4", DEFAULTS, source, whole_heads=False, qkv_bias=bias, rope_interleaved=True
+        d, "glm4", DEFAULTS, source, whole_heads=False, qkv_bias=bias, rope_interleaved=True, post_norms=post
     )

@@ -1,4 +1,4 @@
-"""Qwen2 (QKV bias) and Qwen3 (QK-norm, explicit head_dim) families.
+"""Qwen2 (QKV bias) and Qwen3 (QK-norm, explicit head_dim) families, with their MoE variants.
 
 Both are Llama-shaped (RMSNorm eps 1e-6, RoPE theta 1,000,000, GQA, SwiGLU). Qwen2 adds a bias to the q/k/v
 projections; Qwen3 drops it and instead RMS-normalises each head's queries and keys before RoPE, with a
@@ -9,6 +9,15 @@ qwen2: 0.5b 494,032,768; 1.5b 1,543,714,304; 7b 7,615,616,512; 72b 72,706,203,64
 qwen3: 0.6b 596,049,920; 1.7b 1,720,574,976; 4b 4,022,468,096; 8b 8,190,735,360;
 14b 14,768,307,200; 32b 32,762,123,264; 30b_a3b (MoE) 30,532,122,624 total, 3,353,032,704 active
 (published: 30.5B total, 3.3B activated).
+
+Qwen2-MoE (Hugging Face ``qwen2_moe``; ``models/common/moe.py`` with a sigmoid-gated shared expert, top-k
+weights not renormalised): ``14b_a2.7b`` is Qwen1.5-MoE-A2.7B (60 experts of 1,408, top 4, shared 5,632 = 4
+experts' width), 14,315,784,192 total, 2,689,173,504 active (published 14.3B / 2.7B); ``57b_a14b`` is
+Qwen2-57B-A14B (64 experts of 2,560, top 8, shared 20,480), 57,408,658,944 total, 14,249,270,784 active
+(published 57.4B / 14B). ``debug_moe`` of qwen2 has the same switches at test size. Qwen3-MoE is ``qwen3`` with
+experts (``30b_a3b``; its ``debug_moe`` uses an ungated shared expert and the aux-loss-free bias, which
+Qwen3MoeForCausalLM lacks: export refuses it by name; ``debug_moe_hf`` is the exportable one). MoE blocks run
+with expert parallel and ZeRO; tensor / pipeline parallel with MoE are refused by ``llmtrain.feasibility``.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ _DEBUG_MOE = {
 }
 # Qwen3-30B-A3B (config.json): 128 experts of width 768, top 8, renormalised, every block, router aux 0.001.
 _QWEN3_30B_A3B_MOE = {"num_experts": 128, "top_k": 8, "moe_hidden_size": 768, "aux_loss_coef": 0.001}
+# Qwen2-MoE: the shared expert's gate, top-k weights as the softmax gives them (norm_topk_prob false).
+_QWEN2_MOE = {"shared_expert_gate": True, "route_norm": False, "aux_loss_coef": 0.001}
 
 
 def _shape(hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, tied: bool) -> dict:
@@ -70,6 +81,30 @@ QWEN2 = FamilySpec(
         "1.5b": _shape(1536, 28, 12, 2, 8960, 151936, tied=True),
         "7b": _shape(3584, 28, 28, 4, 18944, 152064, tied=False),
         "72b": _shape(8192, 80, 64, 8, 29568, 152064, tied=False),
+        "debug_moe": {
+            **_DEBUG,
+            "num_experts": 4,
+            "top_k": 2,
+            "moe_hidden_size": 64,
+            "shared_experts": 2,
+            **_QWEN2_MOE,
+        },
+        "14b_a2.7b": {
+            **_shape(2048, 24, 16, 16, 5632, 151936, tied=False),
+            "num_experts": 60,
+            "top_k": 4,
+            "moe_hidden_size": 1408,
+            "shared_experts": 4,
+            **_QWEN2_MOE,
+        },
+        "57b_a14b": {
+            **_shape(3584, 28, 28, 4, 18944, 151936, tied=False),
+            "num_experts": 64,
+            "top_k": 8,
+            "moe_hidden_size": 2560,
+            "shared_experts": 8,
+            **_QWEN2_MOE,
+        },
     },
     hf=hf,
     tp_plan=COMMON_TP_PLAN,
@@ -90,6 +125,14 @@ QWEN3 = FamilySpec(
         "32b": {**_shape(5120, 64, 64, 8, 25600, 151936, tied=False), "head_dim": 128},
         # Mixture of experts (models/common/moe.py): a tiny one for tests, and Qwen3-30B-A3B.
         "debug_moe": {**_DEBUG, "head_dim": 32, **_DEBUG_MOE},
+        "debug_moe_hf": {
+            **_DEBUG,
+            "head_dim": 32,
+            "num_experts": 4,
+            "top_k": 2,
+            "moe_hidden_size": 64,
+            "aux_loss_coef": 0.001,
+        },
         "30b_a3b": {
             **_shape(2048, 48, 32, 4, 6144, 151936, tied=False),
             "head_dim": 128,

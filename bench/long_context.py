@@ -1,0 +1,196 @@
+"""Long packed sequences: memory and time of dense-mask SDPA vs FlexAttention, and the chunked loss (issue 17).
+
+For each sequence length (default 2k, 4k, 8k, 16k) one batch of one packed sequence (documents of random
+length, mean ``--doc-len``) goes through a tiny Llama (``--dim`` 64, 2 layers, 4 heads, vocab 512, fp32) with
+document masks, in a fresh child process per measurement::
+
+    sdpa step   one training step (forward + backward) with the dense boolean [1, 1, T, T] document mask
+    sdpa fwd    forward only, same mask (the like-for-like partner of flex on CPU)
+    flex        FlexAttention with the block mask: a training step on CUDA; forward only on CPU, where
+                torch 2.13 has no flex backward (compiled: eager flex materialises the scores)
+    cp2         left for context parallel (``CP_HOOK``: a function (seq, args) -> (peak bytes, seconds) per
+                rank; None prints "-")
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the measured run; on CPU the peak resident set
+(``VmHWM`` after resetting it through ``/proc/self/clear_refs``) minus the resident set before the run, with
+``MALLOC_MMAP_THRESHOLD_`` set so freed tensors return to the OS. Each measurement first runs once to warm up
+(and compile). The growth exponent of peak memory with sequence length is the least-squares slope of
+log(peak) over log(seq) (dense ~2, block-sparse ~1). Then the chunked cross-entropy (train/loss.py) at vocab
+``--vocab`` (128K) against the plain loss over ``--loss-tokens`` tokens: peak of forward + backward.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/long_context.py --seqs 2048 4096 8192 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CP_HOOK: Callable | None = None  # context parallel (another engineer): (seq, args) -> (peak_bytes, seconds)
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(key)
+
+
+def _measure(fn: Callable[[], None], device) -> tuple[int, float]:
+    import torch
+
+    fn()  # warm-up (and compile)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _status_kb("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = _status_kb("VmHWM") - base
+    return peak, time.perf_counter() - t0
+
+
+def _child(kind: str, seq: int, a: argparse.Namespace) -> dict:
+    import dataclasses
+
+    import torch
+
+    from llmtrain.models import FAMILIES, build_model
+    from llmtrain.models.common import flex
+    from llmtrain.train.loss import chunked_head_loss
+    from llmtrain.train.step import TokenLoss
+
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if kind.startswith("loss"):
+        h = torch.randn(1, a.loss_tokens, a.dim, device=device, requires_grad=True)
+        head = torch.nn.Linear(a.dim, a.vocab, bias=False, device=device)
+        labels = torch.randint(0, a.vocab, (1, a.loss_tokens), device=device)
+
+        def loss_step() -> None:
+            x = h * 1.0
+            loss = (
+                chunked_head_loss(x, head, labels, a.chunk)
+                if kind == "loss_chunked"
+                else TokenLoss()(head(x), labels)
+            )
+            loss.backward()
+            h.grad = head.weight.grad = None
+
+        peak, secs = _measure(loss_step, device)
+        return {"kind": kind, "tokens": a.loss_tokens, "vocab": a.vocab, "peak": peak, "s": secs}
+    flex.COMPILE_ON_CPU = True
+    args = dataclasses.replace(
+        FAMILIES["llama3"].flavor_args("debug"), hidden_size=a.dim, num_layers=2, num_heads=4, num_kv_heads=4,
+        head_dim=a.dim // 4, intermediate_size=2 * a.dim, vocab_size=512, seq_length=seq,
+        max_position_embeddings=seq,
+    )  # fmt: skip
+    model = build_model(args, device=device)
+    model.attention_impl = "flex" if kind == "flex" else "sdpa"
+    gen = torch.Generator().manual_seed(seq)
+    lengths: list[int] = []
+    while sum(lengths) < seq:
+        lengths.append(
+            min(int(torch.randint(a.doc_len // 4, 2 * a.doc_len, (1,), generator=gen)), seq - sum(lengths))
+        )
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    ids = torch.randint(0, 512, (1, seq), generator=gen).to(device)
+    train = kind == "sdpa_step" or (kind == "flex" and device.type == "cuda")
+
+    def step() -> None:
+        with torch.set_grad_enabled(train):
+            logits = model(ids, position_ids=pos, document_ids=doc_ids)
+            if train:
+                TokenLoss()(logits, ids).backward()
+                model.zero_grad(set_to_none=True)
+
+    peak, secs = _measure(step, device)
+    return {"kind": kind, "seq": seq, "peak": peak, "s": secs, "train": train, "device": device.type}
+
+
+def _run_child(kind: str, seq: int, a: argparse.Namespace) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    cmd = [sys.executable, __file__, "--child", kind, "--child-seq", str(seq), *sys.argv[1:]]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"kind": kind, "seq": seq, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:120]}
+    return json.loads(lines[-1])
+
+
+def _exponent(points: list[tuple[int, int]]) -> float:
+    xs = [math.log(s) for s, p in points if p > 0]
+    ys = [math.log(p) for s, p in points if p > 0]
+    if len(xs) < 2:
+        return float("nan")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--doc-len", type=int, default=512)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=131072)
+    p.add_argument("--loss-tokens", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-seq", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(_child(a.child, a.child_seq, a)))
+        return
+    mib = 2**20
+    kinds = ("sdpa_step", "sdpa_fwd", "flex")
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
+    print("| seq | sdpa step MiB | sdpa step s | sdpa fwd MiB | flex MiB | flex s | cp2 MiB/rank | cp2 s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for seq in a.seqs:
+        row = {k: _run_child(k, seq, a) for k in kinds}
+        for k in kinds:
+            results[k].append(row[k])
+        cp = CP_HOOK(seq, a) if CP_HOOK is not None else None
+        cells = []
+        for k, cols in (("sdpa_step", ("peak", "s")), ("sdpa_fwd", ("peak",)), ("flex", ("peak", "s"))):
+            r = row[k]
+            for c in cols:
+                cells.append(
+                    r["error"] if "error" in r else f"{r[c] / mib:.1f}" if c == "peak" else f"{r[c]:.3f}"
+                )
+        cells += [f"{cp[0] / mib:.1f}", f"{cp[1]:.3f}"] if cp else ["-", "-"]
+        print(f"| {seq} | " + " | ".join(cells) + " |", flush=True)
+    flex_mode = "train step" if any(r.get("train") for r in results["flex"]) else "forward only (CPU)"
+    for k in kinds:
+        pts = [(r["seq"], r["peak"]) for r in results[k] if "peak" in r]
+        print(
+            f"growth exponent of peak memory, {k}{' (' + flex_mode + ')' if k == 'flex' else ''}: {_exponent(pts):.2f}"
+        )
+    plain, chunked = _run_child("loss_plain", 0, a), _run_child("loss_chunked", 0, a)
+    if "error" in plain or "error" in chunked:
+        print("loss:", plain, chunked)
+        return
+    print(
+        f"loss at vocab {a.vocab}, {a.loss_tokens} tokens, dim {a.dim}: plain peak {plain['peak'] / mib:.1f} MiB "
+        f"({plain['s']:.3f} s), chunked ({a.chunk} tokens) peak {chunked['peak'] / mib:.1f} MiB "
+        f"({chunked['s']:.3f} s); fp32 [tokens, vocab] logits = {a.loss_tokens * a.vocab * 4 / mib:.1f} MiB"
+    )
+
+
+if __name__ == "__main__":
+    main()

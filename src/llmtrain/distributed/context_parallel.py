@@ -1,0 +1,154 @@
+"""Context parallel (CP): the sequence split over the ``cp`` mesh dim, keys/values all-gathered in attention.
+
+The Llama 3 approach (docs/parallelism.md, "Context parallel", compares it with a ring): every rank keeps the
+queries of its own part of each sequence and all-gathers the keys and values of the whole sequence inside
+each attention layer, so any mask works (causal, packed-document, sliding window, ALiBi), built once per batch
+from *global* positions and document ids.
+
+* **Load-balanced split**: each sequence of length ``T`` is cut into ``2 x cp`` chunks; CP rank ``r`` holds
+  chunks ``r`` and ``2 cp - 1 - r``, so under a causal mask every rank does the same attention work
+  (:func:`local_index`). The all-gather concatenates the ranks' parts in rank order, so the gathered keys are
+  *not* in sequence order: the mask is built from the gathered order's global positions
+  (:func:`key_index`), and since softmax does not care about the order of the keys the output is exactly the
+  one-process output.
+* **Autograd**: :class:`_GatherSeq` all-gathers in forward and reduce-scatters the key/value gradients in
+  backward (every rank's queries contributed to every key's gradient).
+* **RoPE / positions**: the model gets this rank's slice of the global ``position_ids`` (the packed batch's
+  per-document ones, or ``arange(T)``); the dense mask is handed to the attention layers through
+  ``Attention.context_parallel`` (models/common/attention.py), which swaps in the gathered keys/values and
+  :meth:`ContextParallel.mask`.
+* **Loss**: each rank sums the token losses of its own tokens; the step divides by the global token count
+  (counted on the unsplit batch, summed over data parallel) and sums the reported loss over CP too
+  (train/step.py).
+* **Gradients**: parameters are replicated over CP; FSDP2 shards them over the flattened ``dp_shard x cp``
+  mesh (torchtitan's choice: CP ranks become extra shard ranks, so no separate all-reduce and ZeRO memory
+  shrinks with cp; HSDP and ZeRO 0 use ``(dp_replicate, dp_shard x cp)``: distributed/parallelize.py), and
+  FSDP's gradient average over ``dp x cp`` ranks is undone by ``grad_scale x cp``.
+
+The object is attached to the model by :func:`apply_cp` (``model.context_parallel``) and found by the train
+step with :func:`find`. It holds the current batch's masks between ``shard`` and the backward of that batch
+(activation recompute replays the same masks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtrain.models.common.attention import Attention, AttentionMask
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along ``dim`` over ``group`` (rank order); backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        n = dist.get_world_size(group)
+        xs = x.movedim(dim, 0).contiguous()
+        out = torch.empty((n * xs.shape[0], *xs.shape[1:]), dtype=xs.dtype, device=xs.device)
+        dist.all_gather_into_tensor(out, xs, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        n = dist.get_world_size(ctx.group)
+        g = grad.movedim(ctx.dim, 0).contiguous()
+        out = torch.empty((g.shape[0] // n, *g.shape[1:]), dtype=g.dtype, device=g.device)
+        dist.reduce_scatter_tensor(out, g, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
+
+
+def gather_seq(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """``x`` of every rank of ``group`` concatenated along ``dim`` (autograd-correct)."""
+    return _GatherSeq.apply(x, group, dim)
+
+
+def local_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions held by CP rank ``rank``: chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
+    c = seq_len // (2 * cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def key_index(seq_len: int, cp: int) -> torch.Tensor:
+    """Global positions of the all-gathered keys: every rank's :func:`local_index`, in rank order."""
+    return torch.cat([local_index(seq_len, cp, r) for r in range(cp)])
+
+
+class ContextParallel:
+    """One model's CP state: its group, the split, and the current batch's masks."""
+
+    def __init__(self, group: Any, size: int, rank: int, alibi: bool, window: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
+        self.alibi, self.window = alibi, window
+        self._masks: dict[bool, AttentionMask] = {}
+
+    def shard(self, mb: dict[str, torch.Tensor], document_mask: bool) -> dict[str, torch.Tensor]:
+        """This rank's part of a micro-batch ``{input_ids, labels, position_ids[, document_ids]}`` [B, T]:
+        ``input_ids``, ``labels`` and global ``position_ids`` of the local chunks; builds the masks of the local
+        queries against all keys (document ids only with ``document_mask``)."""
+        ids = mb["input_ids"]
+        bsz, seq = ids.shape
+        device = ids.device
+        q_idx = local_index(seq, self.size, self.rank).to(device)
+        k_idx = key_index(seq, self.size).to(device)
+        if document_mask:
+            positions = mb["position_ids"]
+        else:
+            positions = torch.arange(seq, device=device)[None].expand(bsz, seq)
+        causal = k_idx[None, :] <= q_idx[:, None]  # [Tq, Tk]
+        allowed = causal[None, None]  # [1, 1, Tq, Tk]
+        if document_mask:
+            doc = mb["document_ids"]
+            same = doc[:, q_idx][:, :, None] == doc[:, k_idx][:, None, :]  # [B, Tq, Tk]
+            allowed = (same & causal[None])[:, None]  # [B, 1, Tq, Tk]
+        rel = (k_idx[None, :] - q_idx[:, None]).float() if self.alibi else None
+        self._masks = {False: AttentionMask(is_causal=False, allowed=allowed, rel_pos=rel)}
+        if 0 < self.window < seq:
+            band = (k_idx[None, :] > q_idx[:, None] - self.window)[None, None]
+            self._masks[True] = AttentionMask(is_causal=False, allowed=allowed & band, rel_pos=rel)
+        return {
+            "input_ids": ids[:, q_idx],
+            "labels": mb["labels"][:, q_idx],
+            "position_ids": positions[:, q_idx],
+        }
+
+    def mask(self, sliding: bool) -> AttentionMask:
+        """The current batch's mask of local queries vs gathered keys (the windowed one for sliding layers)."""
+        return self._masks.get(sliding, self._masks[False])
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, heads, T / cp, hd]`` of every CP rank: ``[B, heads, T, hd]`` (gathered order)."""
+        return gather_seq(k, self.group, 2), gather_seq(v, self.group, 2)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) ``t`` in place over the CP group; returns it."""
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
+def apply_cp(model: nn.Module, cp_mesh: Any) -> ContextParallel:
+    """Attach a :class:`ContextParallel` over ``cp_mesh`` to the model and every attention layer."""
+    args: Any = getattr(model, "args")  # noqa: B009  (a Transformer's TransformerArgs)
+    cp = ContextParallel(
+        cp_mesh.get_group(),
+        cp_mesh.size(),
+        cp_mesh.get_local_rank(),
+        alibi=args.position_embedding == "alibi",
+        window=args.sliding_window or 0,
+    )
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.context_parallel = cp
+    model.context_parallel = cp  # type: ignore[assignment]
+    return cp
+
+
+def find(model: nn.Module) -> ContextParallel | None:
+    """The model's :class:`ContextParallel` (None without context parallel)."""
+    cp = getattr(model, "context_parallel", None)
+    return cp if isinstance(cp, ContextParallel) else None

@@ -1,0 +1,120 @@
+"""GEMM time as a function of the matrix shape, and the GEMMs one transformer block runs on one rank.
+
+**The curve** (a soft roofline; two global constants). A GEMM ``(m x k) @ (k x n)`` with ``b``-byte operands
+costs its FLOPs at the ceiling ``e`` of the device's peak plus the traffic of its three operands at a fraction
+``beta`` of the memory bandwidth, plus a fixed kernel cost ``tau``::
+
+    t(m, n, k) = 2 m n k / (e * peak) + b (m k + k n + m n) / (beta * bw) + tau
+
+so, without ``tau``, the fraction of peak it reaches is::
+
+    eff(m, n, k) = e / (1 + (e / beta) * (peak / bw) * (b / 2) / I),      I = 1 / (1/m + 1/n + 1/k)
+
+``I`` is the GEMM's arithmetic intensity in FLOP per operand byte (bf16) and ``peak / bw`` the device's ridge
+point (295 FLOP/B on an H100, 153 on an A100 80 GB, 196 on an Ascend 910B). Large GEMMs saturate at ``e``
+(the device's ``matmul_efficiency``, :data:`llmtrain.plan.catalog.DEFAULT_MATMUL_EFFICIENCY` unless the
+catalog sets one); the efficiency falls with the smallest dimension: on an H100 (with the default constants)
+the training GEMMs of a Llama 8B (4096 x 4096 weights, 16k tokens) reach 0.82 e, its grouped-query K/V
+projections 0.66 e, a 1024-wide MoE expert fed 512 tokens ~0.3 e; 4096^3 0.77 e, 8192^3 0.88 e. In training every weight matrix runs three GEMMs of the same
+three sizes (forward ``T x K @ K x N``, input gradient, weight gradient), so one shape gives all three.
+
+**The GEMMs of a block** on one tensor-parallel rank, ``T`` tokens (micro-batch x seq / cp; under sequence
+parallel the projections see the gathered sequence), engine ``llmtrain`` (this trainer's separate
+projections) or ``megatron`` (fused QKV and gate-up GEMMs)::
+
+    attention   wq (h -> q/t), wk, wv (h -> kv/t), wo (q/t -> h)        | qkv (h -> (q + 2 kv)/t), proj
+    mlp         w1, w3 (h -> I/t), w2 (I/t -> h)                          | fc1 (h -> 2 I/t), fc2
+    moe         router (h -> E); per local expert (E / ep of them) the same three GEMMs at width H / t on
+                ``T k ep / E`` tokens (the tokens every EP peer routes to it, balanced); shared experts as an MLP
+    head        output (h -> V/t) on the last stage
+
+Multi-head latent attention (``kv_lora_rank`` > 0) is costed as one ``h -> A / (h t)`` projection of the same
+parameter count ``A``. Flash attention is not a GEMM here: its FLOPs run at ``e x attention_ratio``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.models import TransformerArgs
+from llmtrain.plan.catalog import Device
+from llmtrain.plan.layout import Layout, ParamShape
+
+
+@dataclass(frozen=True)
+class GemmModel:
+    """The global constants of the GEMM curve (the ceiling ``e`` is the device's ``matmul_efficiency``)."""
+
+    bandwidth_fraction: float = 0.5
+    """``beta``: the fraction of memory bandwidth that a GEMM's operand traffic moves at."""
+    kernel_s: float = 4e-6
+    """``tau``: fixed cost of one GEMM kernel (launch, tail wave)."""
+
+
+def gemm_time(dev: Device, m: float, n: float, k: float, operand_bytes: int, model: GemmModel) -> float:
+    """Seconds of one ``(m x k) @ (k x n)`` GEMM on ``dev`` (the module docstring's curve)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k / (dev.matmul_efficiency * dev.peak_flops)
+    traffic = operand_bytes * (m * k + k * n + m * n) / (model.bandwidth_fraction * dev.memory_bw_gbs * 1e9)
+    return flops + traffic + model.kernel_s
+
+
+def efficiency(
+    dev: Device, m: float, n: float, k: float, operand_bytes: int = 2, model: GemmModel | None = None
+) -> float:
+    """Fraction of ``dev``'s peak that one ``(m x k) @ (k x n)`` GEMM reaches (kernel cost included)."""
+    t = gemm_time(dev, m, n, k, operand_bytes, model or GemmModel())
+    return 2.0 * m * n * k / (t * dev.peak_flops) if t > 0 else 0.0
+
+
+def _attention_gemms(args: TransformerArgs, lay: Layout, ps: ParamShape) -> list[tuple[float, float, int]]:
+    """(K, N, count) of one block's attention projections on one TP rank."""
+    h, t = args.hidden_size, lay.tp
+    if getattr(args, "kv_lora_rank", 0):
+        return [(h, ps.attention / (h * t), 1)]
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    if lay.bf16_weights:
+        return [(h, (q + 2 * kv) / t, 1), (q / t, h, 1)]
+    return [(h, q / t, 1), (h, kv / t, 2), (q / t, h, 1)]
+
+
+def _mlp_gemms(h: int, width: float, lay: Layout) -> list[tuple[float, float, int]]:
+    """(K, N, count) of a gated MLP of ``width`` hidden units on one TP rank."""
+    w = width / lay.tp
+    if lay.bf16_weights:
+        return [(h, 2 * w, 1), (w, h, 1)]
+    return [(h, w, 2), (w, h, 1)]
+
+
+def block_gemm_time(
+    args: TransformerArgs, lay: Layout, dev: Device, tokens: float, moe: bool, model: GemmModel
+) -> tuple[float, float]:
+    """(seconds, FLOPs) of forward + backward of one block's GEMMs on one rank for ``tokens`` tokens."""
+    ps = ParamShape(args)
+    b = lay.act_bytes
+    h = args.hidden_size
+    shapes = [(tokens, k, n, c) for k, n, c in _attention_gemms(args, lay, ps)]
+    if moe:
+        shapes.append((tokens, h, args.num_experts, 1))  # router (replicated over TP)
+        local = max(args.num_experts // max(lay.ep, 1), 1)
+        per_expert = tokens * args.top_k * lay.ep / args.num_experts
+        shapes += [(per_expert, k, n, c * local) for k, n, c in _mlp_gemms(h, args.moe_hidden_size, lay)]
+        if args.shared_experts:
+            shapes += [
+                (tokens, k, n, c)
+                for k, n, c in _mlp_gemms(h, args.shared_experts * args.moe_hidden_size, lay)
+            ]
+    else:
+        shapes += [(tokens, k, n, c) for k, n, c in _mlp_gemms(h, args.intermediate_size, lay)]
+    seconds = sum(3 * c * gemm_time(dev, m, n, k, b, model) for m, k, n, c in shapes)
+    flops = sum(6.0 * c * m * n * k for m, k, n, c in shapes)
+    return seconds, flops
+
+
+def head_gemm_time(args: TransformerArgs, lay: Layout, dev: Device, tokens: float, model: GemmModel) -> float:
+    """Seconds of the output projection's three GEMMs (forward + backward) on one TP rank."""
+    return 3 * gemm_time(dev, tokens, args.vocab_size / lay.tp, args.hidden_size, lay.act_bytes, model)
+
+
+__all__ = ["GemmModel", "block_gemm_time", "efficiency", "gemm_time", "head_gemm_time"]

@@ -1,0 +1,286 @@
+"""A parallel layout and what each pipeline rank of it holds: chunks, layers, parameters (dense and expert).
+
+:class:`Layout` is one run's degrees, ZeRO stage, batch split, schedule, recompute, precision and the two
+choices of *how* the layout is executed that the planner cannot read from a config:
+
+* ``engine`` ``llmtrain`` (default): what this project's trainer does, as measured on gloo
+  (``tests/test_plan.py``): fp32 parameters under ``torch.autocast``, torch tensor parallel with sequence
+  parallel, FSDP2 without a mixed-precision policy, eager kernels under TP (compile is skipped with TP);
+  ``megatron``: how Megatron-style implementations (Megatron-LM / Megatron-Core, NeMo with Transformer Engine,
+  Megatron-DeepSpeed, MindFormers in graph mode) run the same layout: bf16 weights and residual stream, fused
+  kernels also under TP, sequence-parallel inputs saved sharded and gathered again in backward, the
+  distributed optimizer's bf16 gradient buffer, fused QKV / gate-up GEMMs; ``nemo``: the same as NeMo runs it
+  with its distributed Adam (Apex), which keeps only the 16-bit remainders of the fp32 master weights
+  (``store_param_remainders``, NeMo's default for bf16 models). The differences are in
+  :mod:`~llmtrain.plan.memory` and :mod:`~llmtrain.plan.timing`.
+* ``tp_overlap``: tensor-parallel collectives overlap with the GEMMs that use them (Megatron
+  ``--tp-comm-overlap`` / Transformer Engine userbuffers, torch async TP); off by default, as in this trainer.
+
+Pipeline placement follows ``distributed/pipeline.py``: the layers split into ``pp x v`` stage chunks
+(``parallel.pipeline_layers``, or an even split; the planner gives a remainder to the first chunks so it can
+also cost splits the trainer refuses), chunk ``c`` on rank ``c mod pp`` (loop order), or, for ``zbv``, ranks
+``r`` and ``2 pp - 1 - r`` (the V shape: rank 0 holds the first and the last chunk). A rank holds the embedding
+with chunk 0 and the final norm + output projection with the last chunk.
+
+Parameters of a rank are split in two: *dense* (attention, norms, dense MLPs, routers, shared experts,
+embeddings; FSDP/ZeRO shards them over ``dp_shard x cp``) and *expert* (routed experts; split over ``ep`` and,
+as Megatron-Core does by default, over ``tp``; ZeRO shards them over the expert-data-parallel ranks
+``dp_shard x cp / ep``, which is 1 in this trainer, where ``ep`` equals the data-parallel size and FSDP ignores
+the experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, cast
+
+from llmtrain.config.schema import ParallelConfig
+from llmtrain.distributed.grad_sync import sync_mode
+from llmtrain.errors import ConfigError
+from llmtrain.models import TransformerArgs
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
+RECOMPUTE_MODES = ("none", "selective", "full")
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ENGINES = ("llmtrain", "megatron", "nemo")
+REDUCE_GRADS = ("auto", "per_step", "per_microbatch")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout of one run: degrees, ZeRO stage, batch split, schedule, recompute, precision."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank (= pipeline micro-batches M)."""
+    seq_length: int = 2048
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pipeline_layers: tuple[int, ...] | None = None
+    """Layers per stage chunk (``parallel.pipeline_layers``, pp x v entries); None: an even split."""
+    recompute: str = "none"
+    recompute_every: int = 2
+    offload: bool = False
+    precision: str = "bf16"
+    reduce_grads: str = "auto"
+    """``parallel.reduce_grads``: when data-parallel gradients are reduced (distributed/grad_sync.py)."""
+    engine: str = "llmtrain"
+    tp_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}.")
+        if self.precision not in PRECISION_BYTES:
+            raise ConfigError(f"train.precision {self.precision!r} is not one of fp32, bf16, fp16.")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage {self.zero_stage} is not one of 0, 1, 2, 3.")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r} is not one of {', '.join(ENGINES)}.")
+        if self.reduce_grads not in REDUCE_GRADS:
+            raise ConfigError(
+                f"parallel.reduce_grads {self.reduce_grads!r} is not one of {', '.join(REDUCE_GRADS)}."
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def shard_degree(self) -> int:
+        """Devices one FSDP shard group spans (dp_shard x cp); 1 under ZeRO-0."""
+        return 1 if self.zero_stage == 0 else self.dp_shard * self.cp
+
+    @property
+    def expert_shard_degree(self) -> int:
+        """Devices the ZeRO stage shards an expert's state over: the expert-data-parallel ranks."""
+        return max(1, self.shard_degree // self.ep)
+
+    @property
+    def bf16_weights(self) -> bool:
+        """Megatron-style engines: bf16 weights and residual stream, no autocast copies."""
+        return self.engine != "llmtrain"
+
+    @property
+    def act_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision]
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Stage chunks one pipeline rank runs (virtual stages of the multi-chunk schedules; zbv: 2)."""
+        if self.pp == 1 or self.schedule not in MULTI_CHUNK_SCHEDULES:
+            return 1
+        return 2 if self.schedule == "zbv" else max(self.virtual_stages, 1)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """ZeRO-3's per-block resharding; under PP the trainer runs stage 3 as 2 (feasibility rule pp_zero3)."""
+        return self.zero_stage == 3 and self.pp == 1
+
+    @property
+    def grad_sync(self) -> str:
+        """per_step / replicate_per_step / per_microbatch: ``distributed.grad_sync.sync_mode`` of this layout
+        (without accumulation, or under PP, where the schedule reduces on its last micro-batch: per_step)."""
+        if self.grad_accum == 1 or self.pp > 1:
+            return "per_step"
+        mode = cast(Any, self.reduce_grads)  # one of REDUCE_GRADS (checked in __post_init__)
+        return sync_mode(ParallelConfig(zero_stage=self.zero_stage, data_parallel_replicate=self.dp_replicate,
+                                        reduce_grads=mode))  # fmt: skip
+
+    def describe(self) -> str:
+        dp = f"dp{self.dp}" if self.dp_replicate in (1, self.dp) else f"dp{self.dp_replicate}x{self.dp_shard}"
+        parts = [f"tp{self.tp}", f"pp{self.pp}", dp]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts += [f"zero{self.zero_stage}", f"mbs{self.micro_batch_size}", f"rc-{self.recompute}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+            if self.pipeline_layers is not None:
+                parts.append("layers" + "-".join(str(n) for n in self.pipeline_layers))
+        if self.engine != "llmtrain":
+            parts.append(f"engine-{self.engine}")
+        if self.tp_overlap and self.tp > 1:
+            parts.append("tp-overlap")
+        return " ".join(parts) + (" offload" if self.offload else "")
+
+
+def chunk_layers(args: TransformerArgs, lay: Layout) -> list[int]:
+    """Layers of each of the ``pp x chunks_per_rank`` stage chunks, in model order."""
+    n_chunks = lay.pp * lay.chunks_per_rank
+    if lay.pipeline_layers is not None and len(lay.pipeline_layers) == n_chunks:
+        return list(lay.pipeline_layers)
+    base, extra = divmod(args.num_layers, n_chunks)
+    return [base + (1 if c < extra else 0) for c in range(n_chunks)]
+
+
+def rank_chunks(lay: Layout, rank: int) -> list[int]:
+    """The stage chunks pipeline rank ``rank`` runs (distributed/pipeline.stage_ids)."""
+    if lay.chunks_per_rank == 1:
+        return [rank]
+    if lay.schedule == "zbv":
+        return [rank, 2 * lay.pp - 1 - rank]
+    return [rank + i * lay.pp for i in range(lay.chunks_per_rank)]
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one pipeline rank holds: its blocks (dense and MoE), the embedding, the output head."""
+
+    rank: int
+    chunks: tuple[int, ...]
+    chunk_sizes: tuple[int, ...]
+    dense_layers: int
+    moe_layers: int
+    embedding: bool
+    head: bool
+
+    @property
+    def layers(self) -> int:
+        return self.dense_layers + self.moe_layers
+
+
+def rank_shapes(args: TransformerArgs, lay: Layout) -> list[RankShape]:
+    """One :class:`RankShape` per pipeline rank."""
+    sizes = chunk_layers(args, lay)
+    starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    out = []
+    for r in range(lay.pp):
+        chunks = rank_chunks(lay, r)
+        ids = [i for c in chunks for i in range(starts[c], starts[c] + sizes[c])]
+        moe = sum(args.is_moe_layer(i) for i in ids)
+        out.append(RankShape(r, tuple(chunks), tuple(sizes[c] for c in chunks), len(ids) - moe, moe,
+                             0 in chunks, len(sizes) - 1 in chunks))  # fmt: skip
+    return out
+
+
+class ParamShape:
+    """Parameter counts of one block and of the model's ends, split as tensor/expert parallel splits them."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        self.args = args
+
+    @cached_property
+    def norms(self) -> int:
+        """Norm weights of one block (replicated over TP)."""
+        a = self.args
+        n = (4 if getattr(a, "post_norms", False) else 2) * a.hidden_size
+        return n + (2 * a.head_dim if a.qk_norm else 0)
+
+    @cached_property
+    def attention(self) -> int:
+        """Attention weights of one block (split over TP)."""
+        a = self.args
+        return a._layer_params() - a._dense_ffn_params() - self.norms
+
+    @cached_property
+    def dense_ffn(self) -> int:
+        return self.args._dense_ffn_params()
+
+    @cached_property
+    def router(self) -> int:
+        return self.args.hidden_size * self.args.num_experts
+
+    @cached_property
+    def shared(self) -> int:
+        """Shared experts of one MoE block (split over TP like a dense MLP)."""
+        a = self.args
+        return a.shared_experts * 3 * a.hidden_size * a.moe_hidden_size
+
+    @cached_property
+    def routed(self) -> int:
+        """All routed experts of one MoE block."""
+        a = self.args
+        return a.num_experts * 3 * a.hidden_size * a.moe_hidden_size
+
+    def dense_block(self, tp: int, moe: bool) -> float:
+        """Dense (FSDP-sharded) parameters of one block on one TP rank."""
+        if moe:
+            return (self.attention + self.shared) / tp + self.norms + self.router
+        return (self.attention + self.dense_ffn) / tp + self.norms
+
+    def expert_block(self, tp: int, ep: int) -> float:
+        """Routed-expert parameters of one MoE block on one (TP, EP) rank."""
+        return self.routed / (tp * ep)
+
+    def embedding(self, tp: int) -> float:
+        return self.args.vocab_size * self.args.hidden_size / tp
+
+    def head(self, tp: int, pp: int) -> float:
+        """Final norm + output projection (tied to the embedding only without PP)."""
+        a = self.args
+        return a.hidden_size + (0 if a.tie_word_embeddings and pp == 1 else a.vocab_size * a.hidden_size / tp)
+
+
+def rank_params(args: TransformerArgs, lay: Layout, shape: RankShape) -> tuple[float, float]:
+    """(dense, expert) parameters of one (TP, EP) rank of pipeline rank ``shape.rank``, before ZeRO sharding."""
+    ps = ParamShape(args)
+    dense = shape.dense_layers * ps.dense_block(lay.tp, False) + shape.moe_layers * ps.dense_block(
+        lay.tp, True
+    )
+    if shape.embedding:
+        dense += ps.embedding(lay.tp)
+    if shape.head:
+        dense += ps.head(lay.tp, lay.pp)
+    return dense, shape.moe_layers * ps.expert_block(lay.tp, lay.ep)
+
+
+__all__ = [
+    "ENGINES", "Layout", "PRECISION_BYTES", "ParamShape", "RECOMPUTE_MODES", "RankShape", "SCHEDULES",
+    "chunk_layers", "rank_chunks", "rank_params", "rank_shapes",
+]  # fmt: skip
