@@ -104,11 +104,23 @@ class RayEngine:
         shared = ray.put(ctx)
         queue = list(tasks)
         pending: list = []
-        while queue or pending:
-            while queue and (self.limit is None or len(pending) < self.limit):
-                pending.append(self.remote.remote(shared, stage, queue.pop(0)))
-            done, pending = ray.wait(pending, num_returns=1)
-            yield ray.get(done[0])
+        try:
+            while queue or pending:
+                while queue and (self.limit is None or len(pending) < self.limit):
+                    pending.append(self.remote.remote(shared, stage, queue.pop(0)))
+                done, pending = ray.wait(pending, num_returns=1)
+                yield ray.get(done[0])
+        except BaseException:  # a task failed (or the caller stopped): no task may write after we return
+            self._stop(pending)
+            raise
+
+    def _stop(self, pending: list) -> None:
+        """Cancel the tasks still in flight and wait until they have ended, so that the caller's clean-up of the
+        work folder is not followed by a late write (a worker that is killed writes nothing more)."""
+        for ref in pending:
+            self.ray.cancel(ref, force=True)
+        if pending:
+            self.ray.wait(pending, num_returns=len(pending), timeout=60)
 
     def close(self) -> None:
         if self.owned:
