@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.pool import Pool
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from llmtrain.data.prep.readers import READERS, file_kind
 from llmtrain.data.prep.shards import PartWriter, load_part_index, part_done, part_prefix
 from llmtrain.data.tokenizer import Tokenizer
 
+T = TypeVar("T", bound=tuple)
 CHUNK_DOCUMENTS = 256  # documents per worker task
 CHUNK_CHARS = 1 << 18  # ... or fewer when they add up to this many characters (small: even load at the end)
 
@@ -89,8 +91,9 @@ def _process(opts: PrepareOptions, tok_path: str, eos_token: str | None, texts: 
     return process_chunk(texts, opts, tok_path, eos_token)
 
 
-def _chunks(records: Iterable[Record]) -> Iterator[list[Record]]:
-    chunk: list[Record] = []
+def chunk_records(records: Iterable[T]) -> Iterator[list[T]]:
+    """Records (text first) in chunks of at most CHUNK_DOCUMENTS records or about CHUNK_CHARS characters."""
+    chunk: list[T] = []
     chars = 0
     for rec in records:
         chunk.append(rec)
@@ -173,7 +176,7 @@ def _run_part(k: int, path: Path, job: PrepareJob, run: PartsRun) -> tuple[PartC
         records = itertools.islice(records, job.max_documents - run.read)
     writer = PartWriter(run.workdir, k, optimal_dtype(run.tok.vocab_size), opts.rejects is not None)
     try:
-        for chunk, res in _results(_chunks(records), job, run):
+        for chunk, res in _results(chunk_records(records), job, run):
             kept = np.asarray([r == KEPT for r in res.status], dtype=bool)  # [N] passed clean + filters
             if run.index is not None:  # dedup decisions, one document at a time in input order
                 rows = kept.nonzero()[0].tolist()

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain.data.prep.job import PartCounters
-from llmtrain.data.prep.parts import CHUNK_CHARS, CHUNK_DOCUMENTS
+from llmtrain.data.prep.parts import chunk_records
 from llmtrain.data.prep.pipeline import KEPT, screen_chunk
 from llmtrain.data.prep.readers import READERS, file_kind
 from llmtrain.data.prep.stages.layout import (
@@ -64,19 +64,6 @@ def _records(ctx: StageContext, k: int, errors: dict | None) -> Iterator[Item]:
                 mine.pop("truncated_file", None)
             for reason, n in mine.items():
                 errors[reason] = errors.get(reason, 0) + n
-
-
-def _chunks(items: Iterator[Item]) -> Iterator[list[Item]]:
-    chunk: list[Item] = []
-    chars = 0
-    for item in items:
-        chunk.append(item)
-        chars += len(item[0])
-        if len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
 
 
 class _Buckets:
@@ -141,7 +128,7 @@ def screen_task(ctx: StageContext, k: int) -> dict:
         open(tmp_path(sigs_path), "wb") as sf,
         open(tmp_path(rejects), "w", encoding="utf-8") as rf,
     ):
-        for chunk in _chunks(items):
+        for chunk in chunk_records(items):
             s = screen_chunk([c[0] for c in chunk], opts)
             kept = [j for j, st in enumerate(s.status) if st == KEPT]
             kid = np.asarray([chunk[j][3] for j in kept], dtype=np.int64)  # [K]
