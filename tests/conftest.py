@@ -45,3 +45,19 @@ def tiny_config(prefix: str, out: Path | str, **sections: dict) -> dict:
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}
     return cfg
+
+
+def read_megatron(prefix: str) -> list[list[int]]:
+    """An independent reader of MMIDIDX .idx/.bin (struct + raw bytes, no llmtrain code)."""
+    import struct
+
+    import numpy as np
+
+    idx = Path(f"{prefix}.idx").read_bytes()
+    assert idx[:9] == b"MMIDIDX\x00\x00"
+    _, code, n_seq, _ = struct.unpack("<QBQQ", idx[9:34])
+    dtype = {4: np.int32, 8: np.uint16}[code]
+    sizes = np.frombuffer(idx, np.int32, n_seq, 34)
+    pointers = np.frombuffer(idx, np.int64, n_seq, 34 + 4 * n_seq)
+    data = Path(f"{prefix}.bin").read_bytes()
+    return [np.frombuffer(data, dtype, int(n), int(p)).tolist() for n, p in zip(sizes, pointers)]

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import struct
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import llmtrain.data.prep.parts as prep
+from conftest import read_megatron
 from llmtrain.data.manifest import read_manifest
 from llmtrain.data.prep.merge import merge
 from llmtrain.data.prep.prepare import prepare
@@ -34,18 +33,6 @@ def tok_file(tmp_path_factory) -> str:
 def jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     return path
-
-
-def read_megatron(prefix: str) -> list[list[int]]:
-    """An independent reader of MMIDIDX .idx/.bin (struct + raw bytes, no llmtrain code)."""
-    idx = Path(f"{prefix}.idx").read_bytes()
-    assert idx[:9] == b"MMIDIDX\x00\x00"
-    version, code, n_seq, n_doc = struct.unpack("<QBQQ", idx[9:34])
-    dtype = {4: np.int32, 8: np.uint16}[code]
-    sizes = np.frombuffer(idx, np.int32, n_seq, 34)
-    pointers = np.frombuffer(idx, np.int64, n_seq, 34 + 4 * n_seq)
-    data = Path(f"{prefix}.bin").read_bytes()
-    return [np.frombuffer(data, dtype, int(n), int(p)).tolist() for n, p in zip(sizes, pointers)]
 
 
 def test_bad_input_skip_counts(tmp_path, tok_file):

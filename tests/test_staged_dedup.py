@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import read_megatron
 from llmtrain.cli import main as cli
 from llmtrain.data.prep.clean import clean_text
 from llmtrain.data.prep.dedup import (
@@ -106,18 +106,6 @@ def expected(rows):
         reasons["exact_duplicate" if cleaned in seen[c] else "near_duplicate"] += 1
         seen[c].append(cleaned)
     return kept, reasons
-
-
-def read_megatron(prefix: str) -> list[list[int]]:
-    """An independent reader of MMIDIDX .idx/.bin (struct + raw bytes, no llmtrain code)."""
-    idx = Path(f"{prefix}.idx").read_bytes()
-    assert idx[:9] == b"MMIDIDX\x00\x00"
-    _, code, n_seq, _ = struct.unpack("<QBQQ", idx[9:34])
-    dtype = {4: np.int32, 8: np.uint16}[code]
-    sizes = np.frombuffer(idx, np.int32, n_seq, 34)
-    pointers = np.frombuffer(idx, np.int64, n_seq, 34 + 4 * n_seq)
-    data = Path(f"{prefix}.bin").read_bytes()
-    return [np.frombuffer(data, dtype, int(n), int(p)).tolist() for n, p in zip(sizes, pointers)]
 
 
 def shard_hashes(m: dict) -> list[str]:
