@@ -29,10 +29,17 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q -e ".[dev]"
 	@touch $@
 
+# The demo's set-up: the base package and the eval extra (lm-eval scores the shipped task before and after
+# training); the torch already installed (the CPU build on a machine without a CUDA GPU) is pinned, so the
+# resolver never swaps it.
+$(VENV)/.installed-eval: $(VENV)/.installed
+	$(PIP) install -q -e ".[eval]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	@touch $@
+
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-eval
 	$(VENV)/bin/llmtrain demo
 
 # The report's browser test needs headless Chromium (Debian's package); without it that test is skipped.

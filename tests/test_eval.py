@@ -253,8 +253,15 @@ def test_config_rules_for_downstream_eval(tiny_corpus, tmp_path):
     validate(cfg(tasks=["hellaswag"], downstream_steps=0))  # off: not looked at
     with pytest.raises(ConfigError, match=r"eval.tasks\[0\]: 'hellaswag' is neither"):
         validate(cfg(tasks=["hellaswag"], downstream_steps=2))
-    with pytest.raises(ConfigError, match=r"not supported yet under data/tensor/pipeline parallelism"):
-        validate(cfg(tasks=["stdlib_mc"], downstream_steps=2), world_size=2)
+    validate(
+        cfg(tasks=["stdlib_mc"], downstream_steps=2), world_size=2
+    )  # DP2: every rank scores (forward.py)
+    cp2 = tiny_config(tiny_corpus, tmp_path / "r", eval={"tasks": ["stdlib_mc"], "downstream_steps": 2},
+                      parallel={"context_parallel": 2})  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"parallel.context_parallel = 2: in-loop downstream evaluation does not"
+    ):
+        validate(config_from_dict(cp2), world_size=2)
     with pytest.raises(ConfigError, match=r"eval.downstream_steps.*>= 0"):
         validate(cfg(downstream_steps=-1))
     with pytest.raises(ConfigError, match=r"eval.limit"):

@@ -44,7 +44,8 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "tp_kv_heads": (4, ["parallel.tensor_parallel=4"]),
     "tp_ffn": (2, ["parallel.tensor_parallel=2", "model.intermediate_size=255"]),
     "tp_seq": (2, ["parallel.tensor_parallel=2", "model.seq_length=31"]),
-    "moe_tp_pp": (2, [*MOE, "parallel.tensor_parallel=2"]),
+    "tp_moe_ffn": (2, [*MOE, "parallel.tensor_parallel=2", "model.moe.moe_hidden_size=63"]),
+    "ep_with_tp": (4, [*MOE, "parallel.tensor_parallel=2", "parallel.expert_parallel=2", "parallel.zero_stage=3"]),
     "ep_without_moe": (2, ["parallel.expert_parallel=2", "parallel.zero_stage=3"]),
     "ep_equals_dp": (4, [*MOE, "parallel.expert_parallel=2"]),
     "ep_hsdp": (4, [*MOE, "parallel.expert_parallel=4", "parallel.zero_stage=3", "parallel.data_parallel_replicate=2"]),
@@ -76,6 +77,8 @@ NEEDLES = {
     "ep_equals_dp": "expert_parallel 2 must equal the data-parallel size 4",
     "ep_hsdp": "data_parallel_replicate 2 x shard 2",
     "ep_experts": "num_experts 4 is not divisible by parallel.expert_parallel 3",
+    "tp_moe_ffn": "model.moe.moe_hidden_size 63 is not divisible by parallel.tensor_parallel 2",
+    "ep_with_tp": "parallel.expert_parallel 2 together with parallel.tensor_parallel 2",
     "pp_layers_min": "pipeline_parallel 4 x virtual_stages 1 = 4",
     "pp_batch_split": "data-parallel size 2 x 3 pipeline micro-batches (parallel.micro_batch_num) = 6",
     "pp_rounds": "5 pipeline micro-batches (parallel.micro_batch_num) must be a multiple of its 2 rounds",
@@ -121,7 +124,7 @@ def check_cli(capsys, path: Path, overrides: list[str], world: int) -> tuple[int
 
 def test_every_fatal_rule_has_a_case():
     assert set(CASES) == set(FATAL_RULES)
-    assert len(FATAL_RULES) == 31 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
+    assert len(FATAL_RULES) == 32 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
 
 
 @pytest.mark.parametrize("rule", list(CASES))
@@ -169,7 +172,7 @@ def test_builders_assert_with_the_same_message(config_file):
     from llmtrain.models import build_model
 
     for rule, runner in (
-        ("moe_tp_pp", False),
+        ("ep_with_tp", False),
         ("cpu_offload_without_dp", False),
         ("pp_tied_embeddings", True),
     ):
@@ -187,7 +190,7 @@ def test_builders_assert_with_the_same_message(config_file):
     assert ParallelDims.from_config(load_config(config_file)[0].parallel, 2).dp == 2
 
 
-@pytest.mark.parametrize("rule", ["moe_tp_pp", "ep_without_moe"])
+@pytest.mark.parametrize("rule", ["tp_moe_ffn", "ep_without_moe"])
 def test_real_train_under_two_gloo_processes(rule, config_file, tmp_path):
     """Refused before any process group: `llmtrain train` under torchrun prints the check message, exits 2."""
     world, overrides = CASES[rule]
@@ -213,8 +216,8 @@ def test_planner_proposes_only_what_training_runs(tiny_corpus):
 
     cluster = parse_cluster("8xh100", load_catalog())
     setups = {  # name -> (model overrides, compile)
-        "long_seq": (["model.seq_length=32768", "train.batch_size=64"], False),  # CP used to be proposed
-        "moe": ([*MOE, "train.batch_size=64"], False),  # MoE x TP used to be proposed (PP now trains it)
+        "long_seq": (["model.seq_length=32768", "train.batch_size=64"], False),  # CP: trained since issue 17
+        "moe": ([*MOE, "train.batch_size=64"], False),  # MoE x TP: refused once, now trained (moe_tp.py)
         "tied": (["model.tie_word_embeddings=true", "train.batch_size=64"], False),  # tied x PP
         "vocab_513": (["model.vocab_size=513", "train.batch_size=64"], True),  # uneven vocab: now proposed
     }
@@ -236,14 +239,18 @@ def test_planner_proposes_only_what_training_runs(tiny_corpus):
             assert not [p for p in layout_problems(cfg, 8, args) if p.fatal]
             assert derive(cfg, 8).grad_accum == lay.grad_accum
         seen[name] = {(lay.tp, lay.pp, lay.cp) for lay in cands}
-    assert {cp for _, _, cp in seen["long_seq"]} == {1}
+    assert {cp for _, _, cp in seen["long_seq"]} == {1, 2, 4, 8}  # each one validated above
+    assert {cp for _, _, cp in seen["moe"]} == {1}  # context parallel refuses MoE (context_rules)
     assert {tp for tp, _, _ in seen["long_seq"]} == {1, 2} and (1, 2, 1) in seen["long_seq"]  # kv heads 2
-    assert {tp for tp, _, _ in seen["moe"]} == {1} and (1, 2, 1) in seen["moe"]
+    assert (
+        {tp for tp, _, _ in seen["moe"]} == {1, 2} and (1, 2, 1) in seen["moe"] and (2, 1, 1) in seen["moe"]
+    )
     assert {pp for _, pp, _ in seen["tied"]} == {1} and (2, 1, 1) in seen["tied"]
     assert (2, 1, 1) in seen["vocab_513"]  # compile with TP: a warning, so TP 2 is proposed too
     # the refused layouts really are refused (the filter is not vacuous)
-    moe = config_from_dict(apply_overrides(base(tiny_corpus), [*MOE, "parallel.tensor_parallel=2"]))
-    assert [p.rule for p in layout_problems(moe, 8, derive(moe, 8).model_args) if p.fatal] == ["moe_tp_pp"]
+    over = [*MOE, "parallel.tensor_parallel=2", "parallel.expert_parallel=4", "parallel.zero_stage=3"]
+    moe = config_from_dict(apply_overrides(base(tiny_corpus), over))
+    assert [p.rule for p in layout_problems(moe, 8, derive(moe, 8).model_args) if p.fatal] == ["ep_with_tp"]
 
 
 def test_feasibility_imports_no_torch():

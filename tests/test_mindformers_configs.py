@@ -186,11 +186,14 @@ def test_pipeline_ignores_gradient_accumulation(tmp_path):
 
 def test_deepseek3_maps_onto_the_deepseek_v3_family(capsys):
     """The deepseek3 671B file maps onto model_type deepseek_v3 (MLA + DeepSeekMoE): check names the one part of
-    its layout llmtrain lacks (MoE with tensor parallel); without TP, on the 256 ranks left (pp 16 x dp 16, the
-    experts sharded over the 16 data-parallel ranks), it passes with the 671B model. The MTP layer is left out."""
+    its layout llmtrain lacks (expert parallel together with tensor parallel); with TP 4 and no EP it passes on
+    the 1024 ranks, and without TP, on the 256 ranks left (pp 16 x dp 16, the experts sharded over the 16
+    data-parallel ranks), it passes with the 671B model. The MTP layer is left out."""
     code, out, err = run_check(capsys, DEEPSEEK3, 1024)
     assert code == 2 and out == "" and "Traceback" not in err
-    assert "(model.moe.num_experts 256) with tensor_parallel 4 is not supported yet" in err
+    assert "parallel.expert_parallel 8 together with parallel.tensor_parallel 4 is not supported" in err
+    code, out, err = run_check(capsys, DEEPSEEK3, 1024, "parallel.expert_parallel=1")
+    assert code == 0, err
     code, out, err = run_check(
         capsys, DEEPSEEK3, 256, "parallel.tensor_parallel=1", "parallel.expert_parallel=16"
     )

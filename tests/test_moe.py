@@ -64,6 +64,22 @@ def test_moe_matches_naive_per_token_loop(score):
     assert moe.last_counts.sum().item() == 20 and moe.last_counts.shape == (4,)
 
 
+def test_moe_under_bf16_autocast_sums_in_the_input_dtype():
+    """Under autocast the experts return bf16 rows while the residual stream is fp32: the combine sums them
+    in fp32 (it once failed: index_add_ of a bf16 source into an fp32 destination), and the result stays within
+    bf16 rounding of the fp32 forward; backward reaches every expert weight."""
+    moe = make_moe(coef=0.01)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    ref = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    assert out.dtype == torch.float32
+    err = (out - ref).abs().max().item()
+    assert 0 < err <= 2**-6 * ref.abs().max().item(), err
+    out.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in moe.experts.parameters())
+
+
 def test_aux_loss_closed_form_and_gradient():
     # 2 experts, 2 tokens, top 1: both pick expert 0 -> f = [1, 0], P = [0.75, 0.25] -> 2 * 0.75 = 1.5.
     scores = torch.tensor([[0.75, 0.25], [0.75, 0.25]])

@@ -54,3 +54,15 @@ def test_state_dict_round_trip():
     t = LossScaler(enabled=True)
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict() == {"scale": 32.0, "good_steps": 0, "skipped_steps": 1}
+
+
+def test_fsdp_policy_per_precision():
+    """bf16/fp16 runs gather the blocks in their dtype, reduce in fp32 and keep the fp32 residual stream (no
+    input cast); fp32 runs get no policy (tests/test_bf16_memory.py checks the numerics and the bytes)."""
+    from llmtrain.distributed.parallelize import mixed_precision
+
+    assert mixed_precision("fp32") is None
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        policy = mixed_precision(name)
+        assert policy is not None and policy.param_dtype == dtype and policy.reduce_dtype == torch.float32
+        assert policy.cast_forward_inputs is False and policy.output_dtype is None

@@ -69,6 +69,12 @@ def test_report_renders_in_chromium(tiny_corpus, tmp_path):
     for pid in plots[len(PLOTS) :]:  # the downstream plots hold the scores, not the "no data yet" note
         figure = re.search(rf'<figure id="plot-{pid}".*?</figure>', p.stdout, re.S)
         assert figure and "no data yet" not in figure.group(0) and "<path" in figure.group(0), pid
+    if downstream:  # the evaluation's time is a band of the time split; its events are on the timeline
+        assert any((r.get("time_eval_frac") or 0) > 0 for r in load_run(out).latest())
+        split = re.search(r'<figure id="plot-time_split".*?</figure>', p.stdout, re.S)
+        assert split and "downstream eval" in split.group(0)
+        timeline = re.search(r'<figure id="plot-events".*?</figure>', p.stdout, re.S)
+        assert timeline and "downstream_eval" in timeline.group(0)
     console = [line for line in p.stderr.splitlines() if "CONSOLE" in line]
     assert not [line for line in console if re.search(r"error|uncaught", line, re.I)], console
 

@@ -2,12 +2,15 @@
 4 partitions x 8 buckets and sliced files, on a corpus with planted exact and near duplicates spread across
 files; the kept documents against the planting's ground truth (lowest id survives) and the tokens against an
 independent .bin/.idx reader; near_pairs' recall / false positives on planted signatures; components against a
-plain union-find; resume of scheduled and killed runs; bad input on every engine; the plan; the CLI."""
+plain union-find; resume of scheduled and killed runs; bad input on every engine (the CLI on Ray: exit 2,
+nothing written, skips counted); report.txt's staged section against the manifest and the planting; the plan;
+the CLI."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -364,3 +367,103 @@ def test_capacity_plan_and_cli(corpus, reference, tmp_path, capfd):
     assert "--task 1 needs --stage S" in capfd.readouterr().err
     assert cli(["prepare", "--plan", *inputs, "--dedup", "near", "--plan-cores", "1,8"]) == 0
     assert "wall time on N cores" in capfd.readouterr().out
+
+
+ROW = re.compile(
+    r"^    (\d) (\w+) +([\d,]+)  ([\d,]+) ([a-z ]+?) +([\d,]+) ([a-z]+) +([\d,]+) +(\S+) +(\S+) +(\S+)  (\S+)"
+)
+
+
+def staged_rows(text: str) -> tuple[str, dict[str, tuple]]:
+    """(the section's first line, {stage: (tasks, in, in unit, out, out unit, bytes, wall, task s, CPU s, RSS)})
+    of a report.txt's staged section, numbers as ints (wall / task / CPU / RSS as printed)."""
+    section = text.split("\n  staged dedup: ", 1)[1]
+    rows = {}
+    for line in section.splitlines():
+        if m := ROW.match(line):
+            g = m.groups()
+            num = [int(g[i].replace(",", "")) for i in (2, 3, 5, 7)]
+            rows[g[1]] = (num[0], num[1], g[4], num[2], g[6], num[3], *g[8:])
+    return section.splitlines()[0], rows
+
+
+def test_report_txt_staged_section_against_manifest_and_planting(corpus, reference):
+    """The one-process reference (1 partition x 1 bucket): every figure of the report's staged section equals
+    the manifest's ``report.staged``, and the counts equal the planting: 93 rows, 3 too short, 21 key rows per
+    kept document (20 bands + the digest), 24 pairs (each cluster a star on its lowest id: 20 pairs + 2 triples
+    of 2), 22 clusters with a copy, 24 copies dropped (10 exact, 14 near), 66 kept; the write row's bytes are the
+    shard files on disk."""
+    root = corpus[0]
+    text = (root / "one.report.txt").read_text(encoding="utf-8")
+    head, rows = staged_rows(text)
+    assert head.startswith("1 partition x 1 bucket, engine local, 1 worker (engine start ")
+    staged = reference["report"]["staged"]["stages"]
+    want = {"screen": (93, "documents", 90, "documents"), "pairs": (90 * 21, "key rows", 24, "pairs"),
+            "components": (24, "pairs", 22, "components"), "tokenize": (90, "documents", 66, "documents")}  # fmt: skip
+    keys = {"screen": ("docs_in", "docs_out"), "pairs": ("rows_in", "pairs"),
+            "components": ("pairs_in", "components"), "tokenize": ("docs_in", "docs_out")}  # fmt: skip
+    for name, (n_in, u_in, n_out, u_out) in want.items():
+        s = staged[name]
+        tasks, got_in, unit_in, got_out, unit_out, nbytes, wall, secs, cpu, rss = rows[name]
+        assert (got_in, unit_in, got_out, unit_out) == (n_in, u_in, n_out, u_out), name
+        assert (s[keys[name][0]], s[keys[name][1]]) == (n_in, n_out) and tasks == s["tasks"] == 1
+        assert nbytes == s["bytes"] > 0 and rss == f"{s['peak_rss_mb_max']:,.1f}" and s["peak_rss_mb_max"] > 0
+        assert (wall, secs, cpu) == (
+            f"{s['wall_seconds']:.2f}",
+            f"{s['seconds']:.2f}",
+            f"{s['cpu_seconds']:.2f}",
+        )
+        assert s["resumed"] == 0
+    c = staged["components"]
+    assert (c["nodes"], c["dropped"], c["exact_duplicate"], c["near_duplicate"]) == (46, 24, 10, 14)
+    assert "components: 46 documents in pairs, 24 dropped (exact 10, near 14)" in text
+    assert (
+        f"tokenize: {reference['tokens']:,} tokens" in text
+        and staged["tokenize"]["tokens"] == reference["tokens"]
+    )
+    on_disk = sum((root / f"one_{i:05d}{x}").stat().st_size for i in range(2) for x in (".bin", ".idx"))
+    assert rows["write"][:6] == (1, 66, "documents", 2, "shards", on_disk)
+
+
+def test_ray_bad_input_exit_2_nothing_written_and_skip_counts(corpus, ray_local, tmp_path, capfd):
+    """Through the CLI on 2 Ray workers: a broken line is exit code 2 naming file and line, no traceback, and
+    nothing of the output (nor the work folder) is left; with --on-error skip the errors are counted in the
+    manifest and report.txt, and the kept documents are byte-identical to 2 local workers'."""
+    root, tok, inputs, rows = corpus
+    bad = tmp_path / "bad.jsonl"
+    good = [prose(150, 500), prose(160, 501)]
+    bad.write_bytes(b"".join([json.dumps({"text": good[0]}).encode(), b'\n{"text": "\xff"}\n{broken\n{"other": 1}\n',
+                              json.dumps({"text": good[1]}).encode(), b"\n"]))  # fmt: skip
+    three = [*inputs[:2], str(bad)]
+
+    def run(out: str, *extra: str) -> int:
+        return cli(["prepare", "--input", *three, "--output", str(tmp_path / out), "--tokenizer", tok, "--clean",
+                    "--filter", "--dedup", "near", "--num-shards", "2", "--workers", "2", *extra])  # fmt: skip
+
+    capfd.readouterr()
+    assert run("o", "--engine", "ray") == 2
+    err = capfd.readouterr().err
+    assert "bad.jsonl' line 2 is not valid UTF-8" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no o.bin/.idx/manifest/report/work
+    assert run("r", "--engine", "ray", "--on-error", "skip") == 0
+    assert run("l", "--engine", "local", "--on-error", "skip") == 0
+    ray_m, local_m = (json.loads((tmp_path / f"{x}.manifest.json").read_text()) for x in ("r", "l"))
+    skipped = {"invalid_utf8": 1, "invalid_json": 1, "missing_key": 1}
+    assert ray_m["report"]["errors_skipped"] == local_m["report"]["errors_skipped"] == skipped
+    assert (
+        shard_hashes(ray_m) == shard_hashes(local_m)
+        and ray_m["report"]["stages"] == local_m["report"]["stages"]
+    )
+    kept = expected([r for r in rows if r[0] < 2])[0]
+    assert ray_m["documents"] == len(kept) + 2
+    t = load_tokenizer(tok)
+    shards = [read_megatron(str(tmp_path / s["name"])) for s in ray_m["shards"]]
+    got = [shards[i % 2][i // 2] for i in range(sum(map(len, shards)))]
+    assert got == [t.encode(clean_text(x)) + [t.eos_id] for x in kept + good]
+    text = (tmp_path / "r.report.txt").read_text(encoding="utf-8")
+    assert "input errors skipped (--on-error skip): invalid_json 1, invalid_utf8 1, missing_key 1" in text
+    head, table = staged_rows(text)
+    assert head.startswith("3 partitions x 3 buckets, engine ray, 2 workers")
+    assert (
+        table["screen"][1] == sum(r[0] < 2 for r in rows) + 2
+    )  # documents read: the errors are not documents

@@ -125,25 +125,57 @@ def derived_lines(cfg: Config, d: Derived, origin: str) -> list[tuple[str, str]]
 
 
 def long_context_lines(cfg: Config, d: Derived) -> list[tuple[str, str]]:
-    """Rows for the loss's logits memory (plain vs chunked, train/loss.py) and activation offload."""
-    from llmtrain.train.loss import resolve_loss_chunk
+    """Rows for what long sequences cost in memory, from the planner's model (plan/long_context.py, the same
+    functions ``llmtrain plan`` uses): the loss's logits (plain vs chunked, train/loss.py), context parallel's
+    gathered K/V, masks and communication, activation offload."""
+    from llmtrain.plan.layout import Layout
+    from llmtrain.plan.long_context import (
+        cp_bool_mask_bytes,
+        cp_comm_bytes,
+        cp_layer_bytes,
+        logits_bytes,
+        loss_chunk,
+    )
+    from llmtrain.plan.memory import layer_bytes
 
     assert d.dims is not None
-    vocab, tokens = d.model_args.vocab_size, d.micro_batch_size * cfg.model.seq_length
-    chunk = resolve_loss_chunk(cfg.train.loss_chunk_tokens, vocab, d.dims.tp, d.dims.pp)
+    a, dims = d.model_args, d.dims
+    lay = Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, micro_batch_size=d.micro_batch_size,
+                 seq_length=cfg.model.seq_length, recompute=cfg.recompute.mode, precision=cfg.train.precision,
+                 loss_chunk_tokens=cfg.train.loss_chunk_tokens, document_mask=cfg.model.document_mask)  # fmt: skip
+    vocab, tokens = a.vocab_size, d.micro_batch_size * cfg.model.seq_length // dims.cp
+    chunk = loss_chunk(a, lay)
     live = min(chunk, tokens) if chunk else tokens
     how = f"chunked, {chunk} tokens per chunk" if chunk else "plain (whole logits)"
     rows = [
         (
             "loss logits",
-            f"{how}: {live * vocab * 4 / 2**30:.3g} GiB fp32 live per micro-batch (x2 in backward)",
+            f"{how}: {live * vocab * 4 / GIB:.3g} GiB fp32 live per micro-batch (x2 in backward); planned "
+            f"logits and loss {logits_bytes(a, lay, tokens) / GIB:.3g} GiB (bf16 logits, fp32 log-softmax and gradient)",
         )
     ]
+    if dims.cp > 1:
+        kv, fwd = cp_layer_bytes(a, lay), cp_comm_bytes(a, lay)[0]
+        rows.append((
+            "context parallel",
+            f"cp {dims.cp}, K/V all-gathered: per layer {fwd / 2**20:.4g} MiB received forward (all-gather) and "
+            f"as much backward (reduce-scatter), exposed; saved per layer: gathered K/V "
+            f"{kv['gathered_kv'] / GIB:.3g} GiB + additive mask {kv['mask'] / GIB:.3g} GiB; boolean mask "
+            f"{cp_bool_mask_bytes(a, lay) / GIB:.3g} GiB per micro-batch",
+        ))  # fmt: skip
     if cfg.recompute.mode == "offload":
-        rows.append(
-            ("recompute", "offload: every block's saved activations go to host memory (pinned on CUDA)")
-        )
+        block = layer_bytes(a, lay, moe=bool(a.num_experts))
+        per_stage = -(-a.num_layers // dims.pp)
+        rows.append((
+            "recompute",
+            f"offload: every block's saved activations go to host memory (pinned on CUDA): "
+            f"~{per_stage * block / GIB:.3g} GiB per micro-batch to host, one block's {block / GIB:.3g} GiB stays "
+            "on the device",
+        ))  # fmt: skip
     return rows
+
+
+GIB = 2**30
 
 
 def human(n: float) -> str:

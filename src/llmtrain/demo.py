@@ -106,11 +106,18 @@ def run_demo(
     if vals:
         print(f"validation loss {vals[0]:.3f} -> {vals[-1]:.3f} (drop {vals[0] - vals[-1]:.3f} nats)")
     for key, what in DEMO_SCORES:
-        scores = [r[key] for r in rows if key in r]
-        if len(scores) >= 2:
-            print(f"{what} {scores[0]:.3f} -> {scores[-1]:.3f}  (lm-eval, held-out stdlib packages)")
+        scored = [r for r in rows if key in r]
+        if len(scored) >= 2:
+            first, last = scored[0], scored[-1]
+            print(
+                f"downstream    : {what} {first[key]:.3f} -> {last[key]:.3f} (lm-eval, {cfg.eval.limit} held-out "
+                f"stdlib passages; scored in {first['eval/time_s']:.1f} s and {last['eval/time_s']:.1f} s)"
+            )
     if not downstream and not cfg.eval.tasks:
-        print("downstream    : pip install 'llmtrain[eval]' to score a shipped lm-eval task before and after")
+        print(
+            "downstream    : not scored, lm-evaluation-harness is not installed: `make demo` installs it, or "
+            "pip install 'llmtrain[eval]' to score a shipped lm-eval task before and after training"
+        )
     print(f"run directory : {out}")
     print(f"checkpoint    : {ckpt}")
     print(f"metrics       : {out / 'metrics.jsonl'}  (TensorBoard: {out / 'tensorboard'})")

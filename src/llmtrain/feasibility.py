@@ -19,7 +19,9 @@ Rules: ``RULES`` lists every rule once, in report order, with its verdict (fatal
 the config key its message names first. Kinds: ``degrees`` (the numbers do not make a mesh), ``split`` (the
 model does not divide over the degrees), ``schedule`` (pipeline batch / schedule arithmetic), ``unsupported``
 (a combination this version refuses), ``advice`` (warnings). The first fatal problem is the one reported.
-Where the old copies of these rules disagreed, the verdict follows training (docs/parallelism.md).
+Where the old copies of these rules disagreed, the verdict follows training (docs/parallelism.md). Two groups
+of rules live in their own torch-free modules and are reported from here: context parallel
+(``context_rules.py``) and MoE / expert parallel (``moe_rules.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmtrain.context_rules import cp_problems
 from llmtrain.errors import ConfigError
+from llmtrain.moe_rules import moe_problems
 
 if TYPE_CHECKING:
     from llmtrain.config.schema import Config, ParallelConfig
@@ -63,7 +66,8 @@ RULES: dict[str, Rule] = {
     "tp_seq": Rule(_F, "split", "model.seq_length"),                       # seq_length % tp (sequence parallel)
     "tp_vocab": Rule(_W, "advice", "model.vocab_size"),                    # vocab % tp: uneven shards
     "tp_compile": Rule(_W, "advice", "train.compile"),                     # compile with tp > 1: runs eager
-    "moe_tp_pp": Rule(_F, "unsupported", "model.moe.num_experts"),         # MoE with tp > 1 (pp is supported)
+    "tp_moe_ffn": Rule(_F, "split", _P + "tensor_parallel"),               # moe_hidden_size % tp (moe_rules)
+    "ep_with_tp": Rule(_F, "unsupported", _P + "expert_parallel"),         # ep > 1 with tp > 1 (moe_rules)
     "ep_without_moe": Rule(_F, "unsupported", _P + "expert_parallel"),     # ep > 1, no MoE blocks
     "ep_equals_dp": Rule(_F, "unsupported", _P + "expert_parallel"),       # ep > 1 and ep != dp
     "ep_hsdp": Rule(_F, "unsupported", _P + "data_parallel_replicate"),    # ep > 1 with HSDP
@@ -117,6 +121,7 @@ class ModelShape(Protocol):
     num_layers: int
     tie_word_embeddings: bool
     num_experts: int
+    moe_hidden_size: int
 
     @property
     def num_moe_layers(self) -> int: ...  # read-only: a property of TransformerArgs
@@ -295,7 +300,8 @@ def layout_problems(cfg: Config, world_size: int, model: ModelShape | None = Non
             "train.compile: false to say so, or tensor_parallel: 1 to compile.",
         )
     if model is not None:
-        _moe(out, model, dims)
+        for rule, message in moe_problems(model, dims):  # MoE / expert parallel: llmtrain/moe_rules.py
+            out.add(rule, message)
     if p.enable_alltoall and dims.ep == 1:
         msg = "parallel.enable_alltoall has no effect with expert_parallel 1 (it is for MoE dispatch)."
         out.add("alltoall_without_ep", msg)
@@ -349,41 +355,6 @@ def _tp_split(out: _Found, m: ModelShape, tp: int, seq: int) -> None:
             "tp_vocab",
             f"vocabulary {m.vocab_size} is not divisible by tensor_parallel {tp}: the embedding and output "
             "shards are uneven (slower); pad model.vocab_size to a multiple.",
-        )
-
-
-def _moe(out: _Found, m: ModelShape, dims: Degrees) -> None:
-    n, ep, dp = m.num_experts, dims.ep, dims.dp
-    if n and dims.tp > 1:  # (the rule's name predates MoE under pipeline parallel, which works)
-        out.add(
-            "moe_tp_pp",
-            f"an MoE model (model.moe.num_experts {n}) with tensor_parallel {dims.tp} is not supported yet: set "
-            "tensor_parallel to 1 and shard the experts with expert_parallel (with data parallel, and pipeline "
-            "parallel if the model needs it).",
-        )
-    elif ep > 1 and not (n and m.num_moe_layers):
-        out.add(
-            "ep_without_moe",
-            f"parallel.expert_parallel {ep} but the model has no MoE blocks: set model.moe.num_experts > 0 (or "
-            "a MoE flavor such as qwen3 debug_moe), or expert_parallel: 1.",
-        )
-    elif ep > 1 and ep != dp:
-        out.add(
-            "ep_equals_dp",
-            f"parallel.expert_parallel {ep} must equal the data-parallel size {dp} in this version (experts "
-            f"are sharded over all data-parallel ranks); set expert_parallel to {dp} or 1.",
-        )
-    elif ep > 1 and dims.dp_replicate > 1 and dims.dp_shard > 1:
-        out.add(
-            "ep_hsdp",
-            f"parallel.expert_parallel {ep} with HSDP (parallel.data_parallel_replicate {dims.dp_replicate} x "
-            f"shard {dims.dp_shard}, ZeRO > 0) is not supported yet; set data_parallel_replicate: 1.",
-        )
-    elif ep > 1 and n % ep:
-        out.add(
-            "ep_experts",
-            f"model.moe.num_experts {n} is not divisible by parallel.expert_parallel {ep} (each expert-parallel "
-            f"rank holds the same number of experts); use an expert_parallel that divides it ({_divisors(n)}).",
         )
 
 

@@ -96,6 +96,9 @@ def main() -> None:
                 counter.counting = False
                 comm.append(counter.take())
         results[name] = {"loss": [o["loss"] for o in outs], "grad_norm": [o["grad_norm"] for o in outs]}
+        for key in ("moe_aux_loss", "moe_load_max_over_mean"):  # MoE runs: the logged balance figures
+            if key in outs[0]:
+                results[name][key] = [o[key] for o in outs]
         if count_comm:
             results[name]["comm"] = comm
         if save_after:

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--catalog", help="extra device catalog YAML (same layout as llmtrain/plan/devices.yaml)"
     )
-    parser.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
+    parser.add_argument("--recompute", default=None, choices=("none", "selective", "full", "offload"),
                         help="activation recompute (default: the config's recompute.mode)")  # fmt: skip
     parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params, grads, states")
     parser.add_argument("--search", action="store_true", help="rank the valid layouts of the cluster")

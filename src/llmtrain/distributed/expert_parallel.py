@@ -23,10 +23,13 @@ back: expert gradients come out exact, token gradients unchanged.
 
 ``parallel.enable_alltoall``: the dispatch is always the all-to-all above (gloo and NCCL both implement
 ``all_to_all_single``); the key is informational. Not supported, refused by :mod:`llmtrain.feasibility` before
-anything is built (rules ep_without_moe, ep_equals_dp, ep_hsdp, ep_experts, moe_tp_pp): ep != dp, HSDP
-meshes with EP, tensor parallel together with MoE, a model without MoE blocks, a number of experts ep does not
-divide. With pipeline parallel each stage module's experts are sharded over the data-parallel ranks of its stage
-(``parallelize`` runs per stage module), which dispatch in the same schedule order.
+anything is built (``llmtrain/moe_rules.py``: ep_without_moe, ep_equals_dp, ep_hsdp, ep_experts,
+ep_with_tp): ep != dp, HSDP meshes with EP, expert parallel together with tensor parallel, a model without MoE
+blocks, a number of experts ep does not divide. (Tensor parallel alone splits every expert by hidden units over
+the TP ranks instead, ``models/common/moe_tp.py``; combining both would need ``[dp, tp]`` expert DTensors and
+the TP ``f``/``g`` hooks ordered inside the dispatch/combine ones: not built.) With pipeline parallel each stage
+module's experts are sharded over the data-parallel ranks of its stage (``parallelize`` runs per stage module),
+which dispatch in the same schedule order.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ How, before micro-batch i of k (on the root FSDP module, recursively; :class:`Gr
   across the replicas.
 
 Memory of per_step: between micro-batches every rank holds the full (unsharded) gradient of every FSDP
-parameter, 4 bytes x parameters (the trainer keeps fp32 parameters; autocast computes in bf16/fp16). ZeRO 0
+parameter, 4 bytes x parameters (the trainer keeps fp32 parameters; under bf16/fp16 FSDP2's policy computes
+each micro-batch's gradient in 16 bits and adds it into an fp32 sum, its ``reduce_dtype``). ZeRO 0
 and 1 hold it anyway; ZeRO 2 gives up its gradient sharding while it accumulates (the sharded gradient
 exists after the last micro-batch only: use ``per_microbatch`` to keep it, at k x the reduce-scatter bytes);
 ZeRO 3 with ``per_step`` adds 4 bytes x parameters to its ~(16 / dp) bytes per parameter, which is why it is

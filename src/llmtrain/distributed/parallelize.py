@@ -30,6 +30,19 @@ switches are set per micro-batch by the train step (distributed/grad_sync.py, wh
 ``parallel.cpu_offload`` adds FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer states live
 in host memory; the optimizer step runs on the CPU).
 
+Precision (``train.precision`` bf16 / fp16, :func:`mixed_precision`): the blocks are sharded with FSDP2's
+``MixedPrecisionPolicy(param_dtype=<run dtype>, reduce_dtype=fp32, cast_forward_inputs=False)``; the forward
+still runs under ``torch.autocast`` (train/precision.py), whose casts of these already-16-bit weights are then
+no-ops. So the 16-bit weight a matmul saves for backward is FSDP's gathered copy, freed after each block under
+ZeRO-3 and gathered again in backward, instead of an autocast copy held for the whole forward; the
+all-gathers move 2 bytes per parameter. The values are the ones autocast computed (both round fp32 to
+nearest-even), gradients are reduced and accumulated in fp32 (FSDP2 keeps the unsharded sum of deferred
+micro-batches in ``reduce_dtype``). What changes: the norm weights, which autocast left in fp32, enter the
+forward rounded to 16 bits and their gradients are rounded to 16 bits before the fp32 reduction (as every
+matmul weight's already was); a norm applied to a 16-bit tensor (qwen3's q/k norms) then returns 16 bits.
+The root (embedding, final norm, head) is not cast: the embedding output, hence the residual stream, stays
+fp32, and autocast still casts the head. Expert-parallel experts (outside FSDP) keep autocast's casts.
+
 Which layouts may be built is decided by :mod:`llmtrain.feasibility` alone (config validation refuses the
 others before anything is built); :func:`parallelize` only asserts it once more with the same function and
 message (:func:`~llmtrain.feasibility.require_feasible`), for callers that skipped validation. One layout
@@ -41,7 +54,7 @@ pipeline builder (``distributed/pipeline.py``) uses this module, never the rever
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -52,6 +65,9 @@ from llmtrain.distributed.parallel_dims import ParallelDims
 from llmtrain.errors import ConfigError
 from llmtrain.feasibility import require_feasible
 from llmtrain.models import Transformer, get_family
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -89,6 +105,20 @@ def apply_recompute(model: Transformer, mode: str, every: int) -> None:
             model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The precisions whose blocks FSDP2 gathers in 16 bits (:func:`mixed_precision`)."""
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for the blocks of a ``precision`` run (see the module docstring); None for fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = MIXED_DTYPES.get(precision)
+    if dtype is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
 def apply_fsdp(
     model: Transformer,
     dp_mesh: DeviceMesh,
@@ -96,9 +126,11 @@ def apply_fsdp(
     cpu_offload: bool,
     device_type: str,
     ignored_params: set | None = None,
+    precision: str = "fp32",
 ) -> None:
     """``fully_shard`` each block, then the root, with the stage's resharding policy. ``ignored_params``
-    (expert-parallel experts, already sharded) are left alone by FSDP."""
+    (expert-parallel experts, already sharded) are left alone by FSDP. Under bf16/fp16 the blocks (not the
+    root) get :func:`mixed_precision`'s policy."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     kwargs: dict = {"mesh": dp_mesh, "reshard_after_forward": zero_stage >= 3}
@@ -106,8 +138,10 @@ def apply_fsdp(
         kwargs["ignored_params"] = ignored_params
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
+    policy = mixed_precision(precision)
+    block_kwargs = {**kwargs, "mp_policy": policy} if policy is not None else kwargs
     for block in model.layers.values():
-        fully_shard(block, **kwargs)
+        fully_shard(block, **block_kwargs)
     fully_shard(model, **kwargs)
 
 
@@ -168,6 +202,6 @@ def parallelize(
         resharding = min(zero, 2) if dims.pp > 1 else zero
         apply_fsdp(
             model, dp_mesh_for(dims, world, zero), resharding, cfg.parallel.cpu_offload, device_type,
-            ignored_params=expert_params,
+            ignored_params=expert_params, precision=cfg.train.precision,
         )  # fmt: skip
     return fsdp

@@ -276,6 +276,28 @@ class PipelineRunner:
         dist.all_reduce(total, group=self.pp_group)
         return total
 
+    @torch.no_grad()
+    def forward_logits(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[B, T, vocab]`` of token ids ``[B, T]`` (the same on every pp rank), forward only, on the
+        rank that holds the last stage; None on the others. The stages run one after another with plain send /
+        recv, as in :meth:`eval_loss`; any ``[B, T]`` (T a multiple of the TP degree under sequence parallel).
+        The caller chooses the autocast (downstream evaluation: llmtrain/eval/forward.py)."""
+        ids = ids.to(self.device)
+        position_ids = torch.arange(ids.shape[1], device=self.device).expand_as(ids).contiguous()
+        mine = dict(zip(self.stage_ids, self.parts))
+        h: torch.Tensor | None = None
+        for s in range(self.n_chunks):
+            if s not in mine:
+                continue
+            if s > 0 and self.owner[s - 1] != self.pp_rank:
+                h = self._recv(self.owner[s - 1])
+            h = mine[s](ids if s == 0 else h, position_ids=position_ids)  # [B, T(/tp), dim] or logits
+            if s == self.n_chunks - 1:
+                return h
+            if self.owner[s + 1] != self.pp_rank:
+                self._send(h, self.owner[s + 1])
+        return None
+
     def _send(self, t: torch.Tensor, pp_peer: int) -> None:
         """Send an activation (shape and dtype first) to pipeline rank ``pp_peer``."""
         peer = dist.get_global_rank(self.pp_group, pp_peer)

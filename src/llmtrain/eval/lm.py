@@ -12,9 +12,14 @@ lm-eval's ``hf`` model on an ``llmtrain export`` of the same weights:
   padded position never changes an earlier one) and come back in the caller's order.
 * ``loglikelihood_rolling``: lm-eval's rolling windows (``get_rolling_token_windows`` with context 1 and
   ``make_disjoint_window``) over the whole text, each token predicted once, summed per document.
-* ``generate_until``: KV-cached decoding (:class:`~llmtrain.models.common.kv_cache.KVCache`), greedy unless
-  the task asks for ``do_sample`` (then :func:`llmtrain.generate.sample_next` with a seeded generator); it
-  stops at ``max_gen_toks``, the EOS token, or the first of the ``until`` strings, which is cut off.
+* ``generate_until``: KV-cached decoding on one process (:class:`~llmtrain.models.common.kv_cache.KVCache`),
+  greedy unless the task asks for ``do_sample`` (then :func:`llmtrain.generate.sample_next` with a seeded
+  generator); it stops at ``max_gen_toks``, the EOS token, or the first of the ``until`` strings, which is
+  cut off.
+
+The model calls go through a forward object (:mod:`llmtrain.eval.forward`): :class:`~llmtrain.eval.forward.
+ModelForward` on one process (the default), :class:`~llmtrain.eval.forward.LayoutForward` on each rank of a
+parallel run (every rank runs the same requests; generation there recomputes the sequence instead of caching).
 
 ``max_length`` defaults to the model's ``seq_length``, the context the run trained on (lm-eval's ``hf`` model
 reads ``max_position_embeddings`` from config.json instead, which a flavor may set far longer: pass it
@@ -25,7 +30,6 @@ process records the results. The model's train/eval mode is the caller's busines
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -33,8 +37,8 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 
 from llmtrain.data.tokenizer import Tokenizer
+from llmtrain.eval.forward import ModelForward
 from llmtrain.generate import sample_next
-from llmtrain.models.common.kv_cache import KVCache
 
 
 class LLMTrainLM(TemplateLM):
@@ -52,14 +56,15 @@ class LLMTrainLM(TemplateLM):
         max_gen_toks: int = 256,
         seed: int = 1234,
         progress: bool = True,
+        forward: ModelForward | None = None,
     ) -> None:
         super().__init__()
         self.model, self.tok = model, tokenizer
         self._batch_size = max(int(batch_size), 1)
         args = getattr(model, "args", None)
         self._max_length = int(max_length or (args.seq_length if args is not None else 2048))
-        self._device = next(model.parameters()).device
-        self._autocast_dtype = autocast_dtype
+        self.forward = forward if forward is not None else ModelForward(model, autocast_dtype)
+        self._device = self.forward.device
         self._max_gen_toks = max_gen_toks
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._progress = progress
@@ -100,20 +105,7 @@ class LLMTrainLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tok.decode(tokens)
 
-    # ------------------------------------------------------------------ model calls
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self._autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self._device.type, dtype=self._autocast_dtype)
-
-    def _logits(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """fp32 logits ``[B, T, V]`` of ``tokens`` ``[B, T]`` (a tensor-parallel DTensor is gathered)."""
-        with torch.no_grad(), self._autocast():
-            out = self.model(tokens, cache=cache) if cache is not None else self.model(tokens)
-        if hasattr(out, "full_tensor"):
-            out = out.full_tensor()
-        return out.float()
-
+    # ------------------------------------------------------------------ model calls (llmtrain/eval/forward.py)
     def _loglikelihood_tokens(
         self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
@@ -128,14 +120,15 @@ class LLMTrainLM(TemplateLM):
             inputs = [full[i][:-1] for i in chunk]
             width = max(len(x) for x in inputs)
             batch = torch.tensor([x + [0] * (width - len(x)) for x in inputs], device=self._device)
-            logits = self._logits(batch)  # [B, T, V]
+            nxt = torch.tensor(
+                [full[i][1:] + [0] * (width - len(full[i]) + 1) for i in chunk], device=self._device
+            )
+            logp, argmax = self.forward.token_logprobs(batch, nxt)  # [B, T] each
             for row, i in enumerate(chunk):
                 n = min(len(requests[i][2]), len(inputs[row]))
                 end = len(inputs[row])
-                target = torch.tensor(full[i][-n:], device=self._device)  # [n]
-                logp = torch.log_softmax(logits[row, end - n : end], dim=-1)  # [n, V]
-                score = float(logp.gather(-1, target[:, None]).sum())
-                greedy = bool((logp.argmax(dim=-1) == target).all())
+                score = float(logp[row, end - n : end].sum())
+                greedy = bool(argmax[row, end - n : end].all())
                 results[i] = (score, greedy)
                 key = requests[i][0]
                 if key is not None and key[0] is not None:
@@ -197,18 +190,19 @@ class LLMTrainLM(TemplateLM):
         top_k: int | None,
         top_p: float | None,
     ) -> str:
-        cache = KVCache(max_seq_len=len(ids) + max_new, batch_size=1)
+        cache = self.forward.new_cache(len(ids) + max_new)  # None under a parallel layout: recompute
         tokens = torch.tensor([ids], device=self._device)  # [1, T]
         new: list[int] = []
         text = ""
         for _ in range(max_new):
-            logits = self._logits(tokens, cache)[0, -1]  # [V]
-            token = sample_next(logits, temperature, top_k, top_p, self._generator)
+            logits = self.forward.next_logits(tokens, cache)  # [V]
+            token = self.forward.agree(sample_next(logits, temperature, top_k, top_p, self._generator))
             new.append(token)
             text = self.tok_decode(new)
             if token == self.eot_token_id or any(s and s in text for s in stops):
                 break
-            tokens = torch.tensor([[token]], device=self._device)  # [1, 1]
+            step = [[token]] if cache is not None else [ids + new]
+            tokens = torch.tensor(step, device=self._device)  # [1, 1], or [1, T] without a cache
         for s in stops:
             if s:
                 text = text.split(s)[0]

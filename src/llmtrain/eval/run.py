@@ -102,11 +102,14 @@ def evaluate(
     bootstrap_iters: int = 1000,
     env_info: bool = True,
     progress: bool = True,
+    forward: Any = None,
 ) -> dict[str, Any]:
     """lm-eval's results dict (``results``, ``configs``, ``versions``, ``n-shot``, ``n-samples`` ...; with
     ``samples`` when ``log_samples``) for ``model`` on ``tasks`` (shipped names or task YAML paths).
-    ``env_info`` False skips lm-eval's environment survey (torch's collect_env: ~2 s of subprocesses) and
-    ``progress`` False its progress bars, as the in-loop evaluation does."""
+    ``env_info`` False skips lm-eval's environment survey (torch's collect_env: ~2 s of subprocesses) and its
+    ``git describe``, ``progress`` False its progress bars, as the in-loop evaluation does. ``forward`` (an
+    :mod:`llmtrain.eval.forward` object) is how the model is called: None for one process, a
+    ``LayoutForward`` on every rank of a parallel run (all ranks then call this with the same arguments)."""
     lm_eval = import_lm_eval()
     from llmtrain.eval.lm import LLMTrainLM
 
@@ -116,8 +119,9 @@ def evaluate(
         raise ConfigError(f"num_fewshot must be 0 or more, got {num_fewshot}.")
     manager, built = build_tasks(tasks)
     lm = LLMTrainLM(
-        model, tokenizer, batch_size, max_length=max_length, autocast_dtype=autocast_dtype, progress=progress
-    )
+        model, tokenizer, batch_size, max_length=max_length, autocast_dtype=autocast_dtype, progress=progress,
+        forward=forward,
+    )  # fmt: skip
     was_training = model.training
     model.eval()
     try:
@@ -149,6 +153,9 @@ def _patched(lm_eval: Any, env_info: bool, progress: bool) -> Iterator[None]:
     if not env_info and hasattr(lm_eval.evaluator, "add_env_info"):
         saved.append((lm_eval.evaluator, "add_env_info", lm_eval.evaluator.add_env_info))
         lm_eval.evaluator.add_env_info = lambda results: None
+    if not env_info and hasattr(lm_eval.evaluator, "get_git_commit_hash"):  # a `git describe` subprocess,
+        saved.append((lm_eval.evaluator, "get_git_commit_hash", lm_eval.evaluator.get_git_commit_hash))
+        lm_eval.evaluator.get_git_commit_hash = lambda: None  # "fatal: not a git repository" outside one
     if not progress and hasattr(task_module, "tqdm"):
         saved.append((task_module, "tqdm", task_module.tqdm))
         task_module.tqdm = functools.partial(task_module.tqdm, disable=True)

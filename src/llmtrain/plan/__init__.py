@@ -4,6 +4,8 @@
 * :mod:`~llmtrain.plan.layout` — a layout, its engine (this trainer or Megatron-style), what each pipeline rank
   holds (chunks, dense and expert parameters).
 * :mod:`~llmtrain.plan.memory` — itemised bytes per device under each ZeRO stage, recompute mode and schedule.
+* :mod:`~llmtrain.plan.long_context` — context parallel as the trainer runs it (gathered K/V, dense mask), the
+  chunked loss's logits, activation offload's host bytes and copies.
 * :mod:`~llmtrain.plan.gemm` — GEMM time as a function of the matrix shape; the GEMMs of one block.
 * :mod:`~llmtrain.plan.timing` — step time: GEMMs, attention, element-wise traffic, the communication of each
   dim, the pipeline's slowest stage.

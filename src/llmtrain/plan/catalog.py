@@ -1,7 +1,7 @@
 """Hardware catalog: what one accelerator can do, and the cluster a plan runs on.
 
 The figures are data, not code: ``devices.yaml`` next to this module lists every built-in device (NVIDIA
-A100/H100/H800/H200/B200, Huawei Ascend 910A/910B/910C, a generic CPU) with its sources; a user adds or overrides
+A100/H100/H800/H200/B200/L40S, Huawei Ascend 910A/910B/910C, a generic CPU) with its sources; a user adds or overrides
 devices with a YAML file in the same layout (``llmtrain plan --catalog FILE``). A :class:`Device` carries
 
 * ``peak_tflops``: dense bf16/fp16 tensor FLOP/s (no sparsity), the denominator of MFU;
@@ -9,6 +9,8 @@ devices with a YAML file in the same layout (``llmtrain plan --catalog FILE``). 
 * ``memory_bw_gbs``: device-memory bandwidth (bounds the element-wise kernels and the optimizer step);
 * ``intra_node_bw_gbs`` / ``inter_node_bw_gbs``: per-device, per-direction link bandwidth inside a node
   (NVLink / HCCS) and between nodes (InfiniBand / RoCE);
+* ``peak_fp8_tflops``: dense FP8 tensor FLOP/s (0 or absent: no FP8), what ``train.fp8``'s linear GEMMs run at;
+* ``host_link_gbps``: host <-> device copy bandwidth in GB/s per direction (activation offload's copies);
 * ``matmul_efficiency``: the ceiling of the GEMM-efficiency curve (:mod:`llmtrain.plan.gemm`), the fraction of
   peak the largest GEMMs of a training step sustain; smaller GEMMs get less. Unset, the planner's one global
   value (:data:`DEFAULT_MATMUL_EFFICIENCY`) applies, so published figures are never fitted per device.
@@ -39,6 +41,9 @@ DEFAULT_MATMUL_EFFICIENCY = 0.65
 global value, chosen once over the published runs of docs/planner.md; not a standalone cuBLAS figure, which is
 higher: it also carries the clock and SM losses of a loaded training step)."""
 
+DEFAULT_HOST_LINK_GBPS = 25.0
+"""Host link of a device whose catalog entry gives none: a PCIe Gen4 x16 slot's effective pinned-copy rate."""
+
 GIB = 1024**3
 
 
@@ -56,7 +61,15 @@ class Device:
     inter_node_bw_gbs: float
     devices_per_node: int
     matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY
+    peak_fp8_tflops: float = 0.0
+    """Dense FP8 tensor FLOP/s (0: the device has no FP8 training GEMMs)."""
+    host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
+    """Per-device host <-> device copy bandwidth, GB/s per direction (pinned memory over PCIe)."""
     sources: str = ""
+
+    @property
+    def peak_fp8_flops(self) -> float:
+        return self.peak_fp8_tflops * 1e12
 
     @property
     def peak_flops(self) -> float:
@@ -70,6 +83,17 @@ class Device:
     def usable_bytes(self) -> float:
         """Memory left to the training job after the runtime's reserve."""
         return (self.memory_gib - self.memory_reserved_gib) * GIB
+
+
+def fp8_peak_flops(dev: Device, recipe: str) -> float:
+    """``dev``'s dense FP8 FLOP/s; a ConfigError naming the device when it has none (``train.fp8`` = ``recipe``)."""
+    if dev.peak_fp8_tflops <= 0:
+        raise ConfigError(
+            f"train.fp8 {recipe} on {dev.name} ({dev.description}): the device catalog lists no FP8 peak for it "
+            "(no FP8 tensor cores for training); set train.fp8: none, plan an FP8-capable device (h100, h200, "
+            "b200, l40s), or give the device a peak_fp8_tflops in a --catalog file."
+        )
+    return dev.peak_fp8_flops
 
 
 @dataclass(frozen=True)
@@ -166,12 +190,14 @@ def _parse(data: Any, source: str, base: Catalog) -> Catalog:
             dev = Device(**merged)
             numbers = [dev.peak_tflops, dev.memory_gib, dev.memory_bw_gbs, dev.intra_node_bw_gbs,
                        dev.inter_node_bw_gbs, dev.devices_per_node, dev.matmul_efficiency]  # fmt: skip
-            if any(float(x) <= 0 for x in numbers) or not 0 < float(dev.matmul_efficiency) <= 1:
+            numbers.append(dev.host_link_gbps)
+            if (any(float(x) <= 0 for x in numbers) or not 0 < float(dev.matmul_efficiency) <= 1
+                    or float(dev.peak_fp8_tflops) < 0):  # fmt: skip
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError(
                 f"device catalog {source}: devices.{name} needs positive numbers for {', '.join(_REQUIRED)} "
-                f"and a matmul_efficiency in (0, 1]."
+                f"(and host_link_gbps when given), a matmul_efficiency in (0, 1] and a peak_fp8_tflops >= 0."
             ) from None
         devices[key] = dev
     for alias, target in (data.get("aliases") or {}).items():
@@ -215,6 +241,7 @@ RUNTIME_NAMES: tuple[tuple[str, str], ...] = (
     (r"\bh100\b", "h100"),  # PCIe / NVL parts (lower peaks) take the SXM figure: set logging.peak_tflops
     (r"\bg?h200\b", "h200"),  # GH200's GPU has the H100/H200 peak
     (r"\bb200\b", "b200"),
+    (r"\bl40s\b", "l40s"),
     (r"ascend\s*910\s*b", "ascend-910b"),  # torch_npu: Ascend910B1..B4
     (r"ascend\s*910_?93", "ascend-910c"),  # torch_npu: Ascend910_93xx (910C / Atlas A3)
     (r"ascend\s*910", "ascend-910a"),

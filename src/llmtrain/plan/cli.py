@@ -22,6 +22,7 @@ from llmtrain.distributed.parallel_dims import default_world_size
 from llmtrain.errors import ConfigError
 from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster, load_catalog, parse_cluster
+from llmtrain.plan.long_context import loss_chunk
 from llmtrain.plan.memory import min_state_bytes_per_device
 from llmtrain.plan.search import PlanResult, evaluate, layout_from_config, search
 
@@ -121,6 +122,7 @@ def plan_dict(result: PlanResult, cluster: Cluster, total_tokens: int, warnings:
             "dp_total": t.dp_total,
             "cp_exposed": t.cp_exposed,
             "optimizer": t.optimizer,
+            "offload": t.offload,
         },  # fmt: skip
         "stage_microbatch_s": t.stage_microbatch_s,
         "tokens_per_step": result.tokens_per_step,
@@ -174,6 +176,7 @@ def print_plan(
     out["model"] = {"family": margs.family, "parameters": margs.num_params(), "seq_length": layout.seq_length,
                     "flops_per_token": margs.flops_per_token(layout.seq_length)}  # fmt: skip
     out["claims"] = verdicts
+    out["loss_chunk_tokens"] = loss_chunk(margs, layout)
     ranked: list[PlanResult] = []
     if search_layouts:
         ranked, tried, fitting = search(margs, layout, cluster, tokens_per_step, fused, top=top)
@@ -239,10 +242,19 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
             ("  autocast weight copies (bf16)", det["autocast_weight_copies"]),
             ("  unsharded gradients (one block)", det["unsharded_gradients"]),
             ("  MoE dispatch buffers", det["moe_dispatch_buffers"]),
-            ("  logits and loss", det["logits_and_loss"]), ("other (sum of the five above)", m["other"]),
+            ("  logits and loss" + (f" (chunked, {chunk} tokens)" if (chunk := out.get("loss_chunk_tokens"))
+                                    else ""), det["logits_and_loss"]),
+            ("  CP boolean mask (per micro-batch)", det.get("cp_mask", 0.0)),
+            ("other (sum of the six above)", m["other"]),
             ("total", m["total"]), ("usable on the device", out["memory_capacity_bytes"])]  # fmt: skip
+    for name, key in (("      of which CP saved mask, per layer", "cp_mask_per_layer"),
+                      ("      of which CP gathered K/V, per layer", "cp_gathered_kv_per_layer")):  # fmt: skip
+        if det.get(key):
+            rows.insert(4, (name, det[key]))
+    if det.get("activations_offloaded"):
+        rows.append(("activations offloaded to host", det["activations_offloaded"]))
     if det["host_offload"]:
-        rows.append(("host memory (offloaded)", det["host_offload"]))
+        rows.append(("host memory (offloaded, all)", det["host_offload"]))
     lines += [f"  {name:<40} {value / GIB:10.2f} GiB" for name, value in rows]
     lines.append(f"  {'fits':<40} {'yes' if out['fits'] else 'NO'}")
     p = out["step_time_parts_s"]
@@ -251,6 +263,7 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
         f"time per step: {out['step_time_s']:.3f} s  ("
         + ", ".join(f"{k} {v:.3f}" for k, v in p.items() if v > 0)
         + ")",
+        f"where the time goes: {result.why()}",
     ]
     lines += [
         f"tokens/s per device: {out['tokens_per_s_per_device']:,.0f}   MFU: {out['mfu']:.1%}",

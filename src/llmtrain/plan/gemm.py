@@ -28,6 +28,11 @@ projections) or ``megatron`` (fused QKV and gate-up GEMMs)::
                 ``T k ep / E`` tokens (the tokens every EP peer routes to it, balanced); shared experts as an MLP
     head        output (h -> V/t) on the last stage
 
+With ``train.fp8`` (``Layout.fp8``) the block's linear layers (attention projections, the dense MLP, shared
+experts: what ``distributed/float8.py`` converts) run at the device's dense FP8 peak (``peak_fp8_tflops``, a
+ConfigError naming the device when it has none); the router, the routed experts, the output head and attention
+itself stay at the bf16 peak. The operand traffic stays at the activation dtype (standing for the fp8 casts).
+
 Multi-head latent attention (``kv_lora_rank`` > 0) is costed as one ``h -> A / (h t)`` projection of the same
 parameter count ``A``. Flash attention is not a GEMM here: its FLOPs run at ``e x attention_ratio``.
 """
@@ -37,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmtrain.models import TransformerArgs
-from llmtrain.plan.catalog import Device
+from llmtrain.plan.catalog import Device, fp8_peak_flops
 from llmtrain.plan.layout import Layout, ParamShape
 
 
@@ -51,11 +56,14 @@ class GemmModel:
     """``tau``: fixed cost of one GEMM kernel (launch, tail wave)."""
 
 
-def gemm_time(dev: Device, m: float, n: float, k: float, operand_bytes: int, model: GemmModel) -> float:
-    """Seconds of one ``(m x k) @ (k x n)`` GEMM on ``dev`` (the module docstring's curve)."""
+def gemm_time(
+    dev: Device, m: float, n: float, k: float, operand_bytes: int, model: GemmModel, peak: float | None = None
+) -> float:
+    """Seconds of one ``(m x k) @ (k x n)`` GEMM on ``dev`` (the module docstring's curve); ``peak``: FLOP/s
+    instead of the device's bf16 peak (the FP8 peak for ``train.fp8``'s linear layers)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    flops = 2.0 * m * n * k / (dev.matmul_efficiency * dev.peak_flops)
+    flops = 2.0 * m * n * k / (dev.matmul_efficiency * (peak or dev.peak_flops))
     traffic = operand_bytes * (m * k + k * n + m * n) / (model.bandwidth_fraction * dev.memory_bw_gbs * 1e9)
     return flops + traffic + model.kernel_s
 
@@ -95,11 +103,12 @@ def block_gemm_time(
     b = lay.act_bytes
     h = args.hidden_size
     shapes = [(tokens, k, n, c) for k, n, c in _attention_gemms(args, lay, ps)]
+    other: list[tuple[float, float, float, int]] = []  # never fp8: the router, the routed experts
     if moe:
-        shapes.append((tokens, h, args.num_experts, 1))  # router (replicated over TP)
+        other.append((tokens, h, args.num_experts, 1))  # router (replicated over TP)
         local = max(args.num_experts // max(lay.ep, 1), 1)
         per_expert = tokens * args.top_k * lay.ep / args.num_experts
-        shapes += [(per_expert, k, n, c * local) for k, n, c in _mlp_gemms(h, args.moe_hidden_size, lay)]
+        other += [(per_expert, k, n, c * local) for k, n, c in _mlp_gemms(h, args.moe_hidden_size, lay)]
         if args.shared_experts:
             shapes += [
                 (tokens, k, n, c)
@@ -107,8 +116,10 @@ def block_gemm_time(
             ]
     else:
         shapes += [(tokens, k, n, c) for k, n, c in _mlp_gemms(h, args.intermediate_size, lay)]
-    seconds = sum(3 * c * gemm_time(dev, m, n, k, b, model) for m, k, n, c in shapes)
-    flops = sum(6.0 * c * m * n * k for m, k, n, c in shapes)
+    peak = fp8_peak_flops(dev, lay.fp8) if lay.fp8 != "none" else None
+    seconds = sum(3 * c * gemm_time(dev, m, n, k, b, model, peak) for m, k, n, c in shapes)
+    seconds += sum(3 * c * gemm_time(dev, m, n, k, b, model) for m, k, n, c in other)
+    flops = sum(6.0 * c * m * n * k for m, k, n, c in shapes + other)
     return seconds, flops
 
 

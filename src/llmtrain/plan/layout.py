@@ -16,6 +16,10 @@ choices of *how* the layout is executed that the planner cannot read from a conf
 * ``tp_overlap``: tensor-parallel collectives overlap with the GEMMs that use them (Megatron
   ``--tp-comm-overlap`` / Transformer Engine userbuffers, torch async TP); off by default, as in this trainer.
 
+Read from the config as well: ``fp8`` (``train.fp8``), ``loss_chunk_tokens`` (``train.loss_chunk_tokens``),
+``document_mask`` (``model.document_mask``) and ``recompute`` ``offload`` (``recompute.mode: offload``, the
+saved activations to host memory; ``offload`` the field is FSDP2's CPU offload of the training state).
+
 Pipeline placement follows ``distributed/pipeline.py``: the layers split into ``pp x v`` stage chunks
 (``parallel.pipeline_layers``, or an even split; the planner gives a remainder to the first chunks so it can
 also cost splits the trainer refuses), chunk ``c`` on rank ``c mod pp`` (loop order), or, for ``zbv``, ranks
@@ -42,7 +46,8 @@ from llmtrain.models import TransformerArgs
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "offload")
+FP8_RECIPES = ("none", "tensorwise", "rowwise")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ENGINES = ("llmtrain", "megatron", "nemo")
 REDUCE_GRADS = ("auto", "per_step", "per_microbatch")
@@ -75,6 +80,12 @@ class Layout:
     """``parallel.reduce_grads``: when data-parallel gradients are reduced (distributed/grad_sync.py)."""
     engine: str = "llmtrain"
     tp_overlap: bool = False
+    fp8: str = "none"
+    """``train.fp8``: the linear layers' GEMMs at the device's FP8 peak (distributed/float8.py)."""
+    loss_chunk_tokens: int | None = None
+    """``train.loss_chunk_tokens`` (None: the trainer's automatic rule, train/loss.py)."""
+    document_mask: bool = False
+    """``model.document_mask``: under context parallel the dense mask has a batch dimension."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -85,6 +96,8 @@ class Layout:
             raise ConfigError(f"train.precision {self.precision!r} is not one of fp32, bf16, fp16.")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage {self.zero_stage} is not one of 0, 1, 2, 3.")
+        if self.fp8 not in FP8_RECIPES:
+            raise ConfigError(f"train.fp8 {self.fp8!r} is not one of {', '.join(FP8_RECIPES)}.")
         if self.engine not in ENGINES:
             raise ConfigError(f"--engine {self.engine!r} is not one of {', '.join(ENGINES)}.")
         if self.reduce_grads not in REDUCE_GRADS:
@@ -157,6 +170,8 @@ class Layout:
             parts.append(f"engine-{self.engine}")
         if self.tp_overlap and self.tp > 1:
             parts.append("tp-overlap")
+        if self.fp8 != "none":
+            parts.append(f"fp8-{self.fp8}")
         return " ".join(parts) + (" offload" if self.offload else "")
 
 

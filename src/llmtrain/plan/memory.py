@@ -4,8 +4,8 @@ The worst pipeline rank is reported (:mod:`~llmtrain.plan.layout` says what each
 split into *dense* ones (FSDP/ZeRO shards them over ``D = dp_shard x cp``) and routed *experts* (split over
 ``ep`` and ``tp``; ZeRO shards them over ``D_e = D / ep``).
 
-Engine ``llmtrain`` (this trainer: fp32 parameters under ``torch.autocast``, FSDP2 without a mixed-precision
-policy; bytes per parameter of the slice a rank owns)::
+Engine ``llmtrain`` (this trainer: fp32 parameters under ``torch.autocast``; under FSDP2 the blocks carry a
+16-bit ``MixedPrecisionPolicy``, distributed/parallelize.py; bytes per parameter of the slice a rank owns)::
 
     parameters        4 / D      fp32 (the model's parameters are the master weights)
     gradients         4          whole while micro-batches accumulate (gradient sync once per step: FSDP2
@@ -13,11 +13,12 @@ policy; bytes per parameter of the slice a rank owns)::
                                  or with reduce_grads per_microbatch; ZeRO-3 under auto: 4 / D, with per_step
                                  4 / D + 4; ZeRO-0: 4
     optimizer_states  8 / D      AdamW exp_avg + exp_avg_sq in fp32
-    other             4          ZeRO 1-2 (and ZeRO-3 under PP, run as 2): the all-gathered fp32 parameters,
-                                 held from forward to backward; ZeRO-3: two blocks + the root
-                      2          bf16/fp16 copies autocast makes of every matmul weight (not the embedding
-                                 table): cached for the whole forward and saved for backward, so also under
-                                 ZeRO-3 (measured on gloo, tests/test_plan.py)
+    other             4          ZeRO 1-2 (and ZeRO-3 under PP, run as 2): the all-gathered parameters,
+                                 held from forward to backward; ZeRO-3: two blocks + the root. bf16/fp16:
+                                 blocks gathered in 2 (also ZeRO-0's copy), the root in 4
+                      2          bf16/fp16 copies autocast makes of matmul weights (not the embedding table),
+                                 saved for backward: without FSDP every one; under FSDP the head and the
+                                 expert-parallel experts only (measured on gloo, tests/test_plan.py)
 
 TP without FSDP adds the embedding's gradient, which comes back replicated (the whole vocab x h table).
 
@@ -31,8 +32,8 @@ Activations, bytes per token of one block without recompute (T = micro-batch x s
 bf16/fp16, 4 under fp32; h hidden, I the MLP width, q/kv/o the projection widths)::
 
     llmtrain  norms      2 x (8 h + 4) / t   fp32 norm input (the residual stream is fp32) + fp32 output + rstd
-              gathered   5 a h (fp32: 2 x 4 h), whole even under sequence parallel: the all-gathered norm
-                         output is cast to bf16 separately for wq, wk, wv and for w1, w3, each copy saved
+              gathered   2 a h, whole even under sequence parallel: each norm output is cast to bf16 once
+                         in the block (then all-gathered in bf16) and saved once for wq, wk, wv, once for w1, w3
               attention  a (q + 2 kv + o) / t + 4 heads / t   (q, k, v after RoPE, the output, the logsumexp)
                          + 2 a rotary (bf16 cos / sin, cast for q and for k in each block)
               mlp        4 a I / t                            (w1 out, activation out, w3 out, product)
@@ -51,7 +52,11 @@ receive buffers (2 k h tokens, fp32 in llmtrain, whose dispatch moves the fp32 r
 gpipe M, 1f1b min(pp - r, M), interleaved / zero-bubble ``min(M v, 2 (pp - r - 1) + (v - 1) pp + 1) / v``
 (Megatron's warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0), zbv min(pp, M).
 The head rank adds the logits of one micro-batch (llmtrain: the full vocabulary, gathered; megatron: the
-vocabulary-parallel shard): bf16 logits + fp32 log-softmax + fp32 gradient.
+vocabulary-parallel shard): bf16 logits + fp32 log-softmax + fp32 gradient; under the chunked loss
+(``train.loss_chunk_tokens``, the trainer's own rule) ``min(chunk, tokens)`` tokens' worth. Context parallel as
+the trainer runs it adds each layer's gathered K/V and saved additive mask (:func:`layer_bytes`), and
+``recompute: offload`` moves the saved activations to ``host_bytes``, one block's worth staying on the device:
+:mod:`~llmtrain.plan.long_context`.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from llmtrain.plan.layout import (
     rank_params,
     rank_shapes,
 )
+from llmtrain.plan.long_context import cp_bool_mask_bytes, cp_layer_bytes, logits_bytes
 
 MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 
@@ -124,12 +130,14 @@ def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False
         ffn = (4 * e + 12 * k + a * k * (2 * h + 3 * hm) + 3 * a * s * hm) / t
         return norms + attention + ffn
     norms = n_norms * (8 * h + 4) / t
-    casts = 2 if lay.precision != "fp32" else 1  # copies of the gathered norm output (w1, w3 / shared MLP)
-    gathered_attn = (3 if lay.precision != "fp32" else 1) * a * h
+    # The gathered norm output, cast once in the block under autocast (models/common/transformer.py): one copy
+    # for wq/wk/wv (or MLA's projections), one for the MLP's w1/w3; the MoE casts its fp32 input per consumer.
+    casts = 2 if lay.precision != "fp32" else 1  # copies of the MoE's input for the shared experts' w1, w3
+    gathered_attn = a * h
     if lay.precision != "fp32":  # RoPE casts cos / sin to bf16 for q and for k in every block
         gathered_attn += 2 * args.rotary_dim * a
     if not moe:
-        return norms + gathered_attn + casts * a * h + attention + 4 * a * args.intermediate_size / t
+        return norms + gathered_attn + a * h + attention + 4 * a * args.intermediate_size / t
     router = a * h + 4 * e + 12 * k  # the gate's input cast, fp32 scores, top-k indices and weights
     experts = 2 * a * k * h + 4 * a * k * hm / t + a * k * h
     shared = (casts * a * h + 4 * a * s * hm / t) if s else 0.0
@@ -139,6 +147,13 @@ def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False
 def block_input_bytes(lay: Layout, hidden: int) -> float:
     """Bytes per token of a block's input (the residual stream, sequence-sharded): what full recompute keeps."""
     return (lay.act_bytes if lay.bf16_weights else MASTER_BYTES) * hidden / lay.tp
+
+
+def layer_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
+    """Bytes one block saves for one micro-batch: the per-token count x its ``micro-batch x seq / cp`` tokens,
+    plus context parallel's gathered K/V and additive mask (:func:`~llmtrain.plan.long_context.cp_layer_bytes`)."""
+    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
+    return tokens * layer_activation_bytes(args, lay, moe) + sum(cp_layer_bytes(args, lay).values())
 
 
 def in_flight(lay: Layout, rank: int) -> float:
@@ -188,20 +203,29 @@ def _state_bytes(
         return out
     out["parameters"] = MASTER_BYTES * sharded
     fsdp = dense + (expert if lay.ep == 1 else 0.0)  # experts under EP stay outside FSDP (whole, / ep)
+    # bf16/fp16 under FSDP: the blocks are gathered in 16 bits (MixedPrecisionPolicy), the root in fp32
+    policy = lay.precision != "fp32" and (lay.dp > 1 or lay.cp > 1)
+    gathered = a if policy else MASTER_BYTES  # bytes of a gathered block parameter
+    unsharded = a * (fsdp - root) if policy else 0.0  # a shard group of 1 gathers nothing, but casts
+    if d > 1:
+        unsharded = gathered * (fsdp - root) + MASTER_BYTES * root
     if lay.zero_stage == 0:
         grads = GRAD_BYTES * whole
+        out["gathered_parameters"] = unsharded
     elif lay.zero_stage in (1, 2) or not lay.reshards_after_forward:
         grads = GRAD_BYTES * (whole if accumulating else sharded)
-        out["gathered_parameters"] = MASTER_BYTES * fsdp if d > 1 else 0.0
+        out["gathered_parameters"] = unsharded
     else:  # ZeRO-3: sharded gradients, + the unsharded accumulator under per_step, + a sharded partial sum
         grads = GRAD_BYTES * sharded + (GRAD_BYTES * whole if accumulating else 0.0)
         if lay.grad_sync == "replicate_per_step":
             grads += GRAD_BYTES * sharded
-        out["gathered_parameters"] = MASTER_BYTES * (2 * block + root)
+        out["gathered_parameters"] = gathered * 2 * block + MASTER_BYTES * root
     if not accumulating and lay.zero_stage > 0 and d > 1:
         out["unsharded_gradients"] = GRAD_BYTES * block  # one block's gradient before its reduce-scatter
     out["gradients"] = grads
-    if lay.precision != "fp32":
+    if policy:  # what autocast still casts: the head (root, fp32) and experts outside FSDP (EP)
+        out["autocast_weight_copies"] = a * (root - uncast + (expert if lay.ep > 1 else 0.0))
+    elif lay.precision != "fp32":
         out["autocast_weight_copies"] = a * (whole - uncast)  # cached by autocast, saved for backward
     return out
 
@@ -226,35 +250,36 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         host, params, grads, states = params + grads + states, 0.0, 0.0, 0.0
 
     tokens = lay.micro_batch_size * lay.seq_length / lay.cp
-    dense_layer = tokens * layer_activation_bytes(args, lay, moe=False)
-    moe_layer = tokens * layer_activation_bytes(args, lay, moe=True)
+    dense_layer, moe_layer = layer_bytes(args, lay, moe=False), layer_bytes(args, lay, moe=True)
     boundary = tokens * block_input_bytes(lay, args.hidden_size)
     full_set = shape.dense_layers * dense_layer + shape.moe_layers * moe_layer
     biggest = moe_layer if shape.moe_layers else dense_layer
-    if lay.recompute == "full":
+    n_flight = in_flight(lay, shape.rank)
+    offloaded = 0.0
+    if lay.recompute == "offload":  # saved tensors on the host; one block's worth on the device at a time
+        stored, transient, offloaded = 0.0, biggest, full_set * n_flight
+    elif lay.recompute == "full":
         stored, transient = shape.layers * boundary, biggest
     elif lay.recompute == "selective":
         frac = 1.0 / max(lay.recompute_every, 1)
         stored, transient = frac * shape.layers * boundary + (1 - frac) * full_set, biggest
     else:
         stored, transient = full_set, 0.0
-    n_flight = in_flight(lay, shape.rank)
     activations = stored * n_flight + transient + boundary * n_flight
 
     dispatch = 0.0
     if shape.moe_layers and lay.ep > 1:  # one layer's all-to-all send + receive buffers
         dispatch = 2 * tokens * args.top_k * args.hidden_size * (lay.act_bytes if lay.bf16_weights else 4)
-    logits = 0.0
-    if shape.head:
-        vocab = args.vocab_size / (lay.tp if lay.bf16_weights else 1)
-        logits = tokens * vocab * (lay.act_bytes + 4 + 4)
+    logits = logits_bytes(args, lay, tokens) if shape.head else 0.0
     details = {
         "gathered_parameters": st["gathered_parameters"],
         "autocast_weight_copies": st["autocast_weight_copies"],
         "unsharded_gradients": st["unsharded_gradients"],
         "moe_dispatch_buffers": dispatch,
         "logits_and_loss": logits,
+        "cp_mask": cp_bool_mask_bytes(args, lay),
     }
+    cp_terms = cp_layer_bytes(args, lay)
     return MemoryEstimate(
         parameters=params,
         gradients=grads,
@@ -265,8 +290,10 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         stage=shape.rank,
         details={**details, "parameters_per_device": dense / lay.shard_degree + expert / lay.expert_shard_degree,
                  "expert_parameters_per_device": expert / lay.expert_shard_degree,
-                 "activations_per_layer": dense_layer, "activations_per_moe_layer": moe_layer if args.num_experts else 0.0},
-        host_bytes=host,
+                 "activations_per_layer": dense_layer, "activations_per_moe_layer": moe_layer if args.num_experts else 0.0,
+                 "cp_gathered_kv_per_layer": cp_terms["gathered_kv"], "cp_mask_per_layer": cp_terms["mask"],
+                 "activations_offloaded": offloaded},
+        host_bytes=host + offloaded,
     )  # fmt: skip
 
 
@@ -277,5 +304,5 @@ def min_state_bytes_per_device(args: TransformerArgs, world_size: int) -> float:
 
 __all__ = [
     "PRECISION_BYTES", "RECOMPUTE_MODES", "SCHEDULES", "Layout", "MemoryEstimate", "estimate_memory",
-    "in_flight", "layer_activation_bytes", "min_state_bytes_per_device",
+    "in_flight", "layer_activation_bytes", "layer_bytes", "min_state_bytes_per_device",
 ]  # fmt: skip

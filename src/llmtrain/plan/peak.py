@@ -5,12 +5,14 @@
 ``h100`` 989; torch_npu: ``Ascend910B3`` -> ``ascend-910b`` 313), through :meth:`Catalog.match`. Fallbacks,
 in order:
 
-* a name the catalog does not know (an L40S, an RTX card) takes the entry of its device type's alias in the
+* a name the catalog does not know (an L4, an RTX card) takes the entry of its device type's alias in the
   catalog (``cuda`` -> h100, ``npu`` -> ascend-910b) with a warning that names ``logging.peak_tflops``;
 * ``cpu`` is the catalog's ``cpu`` entry (a generic two-socket server);
 * a device type the catalog has no alias for (``mps``, ``xpu``) gets :data:`FALLBACK_PEAK_TFLOPS`.
 
-``logging.peak_tflops`` (the ``override`` argument) wins over all of it. torch is imported only to ask a live
+``logging.peak_tflops`` (the ``override`` argument) wins over all of it. :func:`fp8_peak_tflops` is a catalog
+device's dense FP8 peak (``peak_fp8_tflops``: H100 / H200 1979, B200 4500, L40S 733), what the planner costs
+``train.fp8``'s linear GEMMs at; a device without one is a ConfigError naming it. torch is imported only to ask a live
 device for its name, so the planner imports this module without torch.
 """
 
@@ -20,7 +22,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from llmtrain.errors import ConfigError
-from llmtrain.plan.catalog import Catalog, builtin_catalog
+from llmtrain.plan.catalog import Catalog, builtin_catalog, fp8_peak_flops
 
 if TYPE_CHECKING:
     import torch
@@ -84,3 +86,13 @@ def peak_tflops(
             stacklevel=2,
         )
     return float(fallback.peak_tflops) if fallback is not None else FALLBACK_PEAK_TFLOPS
+
+
+def fp8_peak_tflops(device: str, recipe: str = "tensorwise", catalog: Catalog | None = None) -> float:
+    """Dense FP8 TFLOP/s of the catalog device ``device`` (a catalog or runtime name); a ConfigError naming the
+    device when the catalog does not know it or it has no FP8 peak (``train.fp8`` = ``recipe`` cannot run)."""
+    catalog = catalog or builtin_catalog()
+    found = catalog.match(str(device))
+    if found is None:
+        raise ConfigError(f"device {device!r} is not in the device catalog; add it with --catalog FILE.yaml.")
+    return fp8_peak_flops(found, recipe) / 1e12

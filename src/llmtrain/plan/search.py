@@ -6,9 +6,12 @@ and :func:`search` enumerates the alternatives a user could configure on the sam
 batch and sequence length:
 
 * ``tp`` a divisor of the devices per node (TP stays inside a node); ``pp`` a divisor of the layer count;
-  ``cp`` 1 (context parallel is refused by training); ``ep`` the config's for an MoE model, else 1; ``dp``
-  the rest of the devices, which must divide the global batch with the micro-batch size;
-* ZeRO 0, 2, 3 (1 is run as 2); recompute none / selective / full; micro-batch 1, 2, 4, 8;
+  ``cp`` 1, 2, 4, 8, ... dividing the devices left by tp x pp, with ``seq % (2 cp) == 0``, proposed only where
+  the context-parallel rules (``llmtrain/context_rules.py``, through the feasibility check below) accept it:
+  dense, no PP, MLA, compile, fp8 or CPU offload; ``ep`` the config's for an MoE model, else 1; ``dp`` the
+  rest of the devices, which must divide the global batch with the micro-batch size;
+* ZeRO 0, 2, 3 (1 is run as 2); recompute none / selective / full (and offload when the config uses it);
+  micro-batch 1, 2, 4, 8;
 * with ``pp > 1``: 1f1b and interleaved_1f1b (2 virtual stages when the layers allow), and at least ``pp``
   micro-batches per step (fewer is mostly bubble).
 
@@ -22,7 +25,9 @@ model; the other refusals are this version's limits, and the planner also costs 
 Layouts that fit in memory are ranked by tokens/s per device (then by lower memory); the reasons shown are the
 step-time breakdown and the memory headroom. Every candidate keeps the configured engine and TP-overlap choice
 (:class:`~llmtrain.plan.layout.Layout`), ``parallel.reduce_grads`` and precision; ``pipeline_layers`` is
-dropped (it only fits the configured degrees), so candidates use an even split.
+dropped (it only fits the configured degrees), so candidates use an even split. ``train.fp8``,
+``train.loss_chunk_tokens`` and ``model.document_mask`` are kept too (the trainer's fp8 rule,
+``distributed.float8.config_problem``, also filters: fp8 with tensor parallel is refused).
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class PlanResult:
         t, total = self.time, self.step_time_s
         parts = {"compute": t.compute, "TP comm": t.tp_comm, "EP all-to-all": t.ep_comm,
                  "PP bubble": t.pp_bubble + t.pp_p2p, "DP exposed": t.dp_exposed, "CP exposed": t.cp_exposed,
-                 "optimizer": t.optimizer}  # fmt: skip
+                 "optimizer": t.optimizer, "offload copies": t.offload}  # fmt: skip
         shown = ", ".join(f"{k} {v / total:.0%}" for k, v in parts.items() if v / total >= 0.005)
         free = self.memory.capacity - self.memory.total
         return f"{shown}; memory {self.memory.total / 2**30:.1f} GiB ({free / 2**30:+.1f} GiB free)"
@@ -98,6 +103,7 @@ def layout_from_config(
         pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers is not None else None,
         recompute=recompute, recompute_every=max(cfg.recompute.every, 1), offload=offload,
         precision=cfg.train.precision, reduce_grads=p.reduce_grads, engine=engine, tp_overlap=tp_overlap,
+        fp8=cfg.train.fp8, loss_chunk_tokens=cfg.train.loss_chunk_tokens, document_mask=cfg.model.document_mask,
     )  # fmt: skip
     split = [pr for pr in layout_problems(cfg, world_size, d.model_args) if RULES[pr.rule].kind == "split"]
     raise_fatal(split)
@@ -115,8 +121,21 @@ def layout_config(lay: Layout, global_batch: int, compile: bool = False) -> Conf
         pipeline_layers=list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
         cpu_offload=lay.offload, reduce_grads=cast(Any, lay.reduce_grads),
     )  # fmt: skip
-    train = TrainConfig(batch_size=global_batch, micro_batch_size=lay.micro_batch_size, compile=compile)
-    return Config(model=ModelConfig(seq_length=lay.seq_length), parallel=parallel, train=train)
+    train = TrainConfig(batch_size=global_batch, micro_batch_size=lay.micro_batch_size, compile=compile,
+                        fp8=cast(Any, lay.fp8))  # fmt: skip
+    model = ModelConfig(seq_length=lay.seq_length, document_mask=lay.document_mask)
+    return Config(model=model, parallel=parallel, train=train)
+
+
+def refused(lay: Layout, global_batch: int, world_size: int, args: TransformerArgs, compile: bool) -> bool:
+    """Whether training would refuse ``lay``: a fatal feasibility problem (context-parallel rules included) or
+    the trainer's fp8 rule; the same functions ``llmtrain train`` asks."""
+    from llmtrain.distributed.float8 import config_problem
+
+    cfg = layout_config(lay, global_batch, compile)
+    if any(pr.fatal for pr in layout_problems(cfg, world_size, args)):
+        return True
+    return lay.fp8 != "none" and config_problem(cfg) is not None
 
 
 def evaluate(
@@ -147,24 +166,26 @@ def candidate_layouts(
     n = cluster.num_devices
     tps = [t for t in _divisors(cluster.devices_per_node) if t <= n]
     pps = [p for p in _divisors(args.num_layers) if p <= 64]
+    cps = [2**i for i in range(n.bit_length()) if n % 2**i == 0 and base.seq_length % 2 ** (i + 1) == 0]
     ep = base.ep if args.num_experts else 1
     out: list[Layout] = []
-    for tp, pp in itertools.product(tps, pps):
-        if n % (tp * pp):
+    for tp, pp, cp in itertools.product(tps, pps, cps):
+        if n % (tp * pp * cp):
             continue
-        dp = n // (tp * pp)
+        dp = n // (tp * pp * cp)
         probe = replace(
             base,
             tp=tp,
             pp=pp,
-            cp=1,
+            cp=cp,
             ep=ep,
             dp_replicate=1,
             dp_shard=dp,
             virtual_stages=1,
             pipeline_layers=None,
         )
-        for mbs, zero, rc in itertools.product((1, 2, 4, 8), (0, 2, 3), ("none", "selective", "full")):
+        modes = ("none", "selective", "full") + (("offload",) if base.recompute == "offload" else ())
+        for mbs, zero, rc in itertools.product((1, 2, 4, 8), (0, 2, 3), modes):
             if global_batch % (mbs * dp):
                 continue
             accum = global_batch // (mbs * dp)
@@ -178,8 +199,7 @@ def candidate_layouts(
                     probe, zero_stage=zero, micro_batch_size=mbs, grad_accum=accum, recompute=rc,
                     schedule=sched if pp > 1 else base.schedule, virtual_stages=vs,
                 )  # fmt: skip
-                problems = layout_problems(layout_config(lay, global_batch, compile), n, args)
-                if not any(pr.fatal for pr in problems):
+                if not refused(lay, global_batch, n, args, compile):
                     out.append(lay)
     return out
 

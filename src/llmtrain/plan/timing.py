@@ -24,8 +24,16 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
   recompute) of ``T / t x top_k x h`` (fp32 dispatch in ``llmtrain``, whose router input is the fp32
   residual stream), ``(ep - 1) / ep`` of it leaving the rank, at the intra-node bandwidth for the peers in
   the node and the inter-node one for the rest (in parallel). Exposed (neither engine overlaps it).
-* **CP** ring attention: (cp - 1) K/V exchanges per layer forward, twice backward, hidden behind the
-  attention compute of the same ring step.
+* **CP**, engine ``llmtrain`` (the trainer, :mod:`~llmtrain.plan.long_context`): per layer forward an
+  all-gather of K and of V (``(cp - 1) / cp`` of ``b s kv / t`` elements each), backward a reduce-scatter of
+  their gradients (the same volume; the forward again under full recompute), exposed (run in line); the dense
+  mask's kernel computes all ``seq`` keys of each local query (no causal block skipping) and the additive
+  mask's traffic is element-wise work. Engines ``megatron`` / ``nemo``: ring attention, (cp - 1) K/V exchanges
+  per layer forward, twice backward, hidden behind the attention compute of the same ring step.
+* **FP8** (``train.fp8``): the blocks' linear GEMMs at the device's FP8 peak (:mod:`~llmtrain.plan.gemm`).
+* **Chunked loss**: one more forward of the output projection (the chunks' logits are recomputed in backward).
+* **Activation offload** (``recompute: offload``): every saved activation crosses the host link out and back
+  per micro-batch at ``host_link_gbps``, on the compute stream: exposed (``StepTime.offload``).
 * **PP**: each rank's micro-batch time ``t_r`` (compute + exposed TP / EP / CP); the slowest rank sets the
   pace: step = M max_r t_r + bubble, bubble = f x the sum over the other ranks of their chunk time
   ``t_r / v`` (= (pp - 1) / v slots of an even split), f = 1 for gpipe / 1f1b / interleaved and 1/3 for the
@@ -54,7 +62,15 @@ from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster
 from llmtrain.plan.gemm import GemmModel, block_gemm_time, head_gemm_time
 from llmtrain.plan.layout import Layout, RankShape, rank_params, rank_shapes
-from llmtrain.plan.memory import MASTER_BYTES
+from llmtrain.plan.long_context import (
+    cp_comm_bytes,
+    cp_dense_keys,
+    cp_layer_bytes,
+    loss_recompute_fraction,
+    offload_seconds,
+    trainer_cp,
+)
+from llmtrain.plan.memory import MASTER_BYTES, layer_bytes
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,8 @@ class StepTime:
     model_flops: float
     """Model FLOPs per device per step (6N + attention, no recompute): the MFU numerator."""
     ep_comm: float = 0.0
+    offload: float = 0.0
+    """Activation offload's host <-> device copies (``recompute: offload``), exposed."""
     parts: dict[str, float] = field(default_factory=dict)
     stage_microbatch_s: list[float] = field(default_factory=list)
     """Micro-batch time of each pipeline rank (the slowest sets the pace)."""
@@ -102,7 +120,7 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.ep_comm + self.pp_bubble + self.pp_p2p + self.dp_exposed
-                + self.cp_exposed + self.optimizer)  # fmt: skip
+                + self.cp_exposed + self.optimizer + self.offload)  # fmt: skip
 
 
 def group_bandwidth(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> float:
@@ -148,10 +166,11 @@ class _RankTime:
     ep: float
     cp: float
     chunks: int
+    offload: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.ep + self.cp
+        return self.compute + self.tp + self.ep + self.cp + self.offload
 
 
 def _mean_keys(args: TransformerArgs, seq: int) -> float:
@@ -172,15 +191,19 @@ def _rank_time(
     h, v = args.hidden_size, args.vocab_size
     tokens = lay.micro_batch_size * lay.seq_length / cp
     ceiling = dev.peak_flops * dev.matmul_efficiency
-    rc = {"none": 0.0, "selective": 1.0 / max(lay.recompute_every, 1), "full": 1.0}[lay.recompute]
+    rc = {"selective": 1.0 / max(lay.recompute_every, 1), "full": 1.0}.get(lay.recompute, 0.0)
     mega = lay.bf16_weights
 
     dense_s, _ = block_gemm_time(args, lay, dev, tokens, False, eff.gemm)
     moe_s, _ = block_gemm_time(args, lay, dev, tokens, True, eff.gemm) if shape.moe_layers else (0.0, 0.0)
     gemm_layers = shape.dense_layers * dense_s + shape.moe_layers * moe_s
     width = args._attention_width() if hasattr(args, "_attention_width") else args.head_dim
-    attn_flops = 14 * _mean_keys(args, lay.seq_length) * tokens * args.num_heads * width / t
+    keys = cp_dense_keys(lay) if trainer_cp(lay) else _mean_keys(args, lay.seq_length)
+    attn_flops = 14 * keys * tokens * args.num_heads * width / t
     attn_layer = attn_flops / (ceiling * eff.attention_ratio)
+    if trainer_cp(lay):  # the additive mask: converted (bool read, a written), read forward and backward
+        mask = cp_layer_bytes(args, lay)["mask"]
+        attn_layer += (mask / a + 3 * mask) / (dev.memory_bw_gbs * 1e9)
     c_h, c_i = eff.fused_elementwise if fused else eff.eager_elementwise
     dense_bytes = a * (c_h * h + c_i * args.intermediate_size) / t * tokens
     k, hm = args.top_k, args.moe_hidden_size
@@ -188,7 +211,7 @@ def _rank_time(
     elem = (shape.dense_layers * dense_bytes + shape.moe_layers * moe_bytes) / (dev.memory_bw_gbs * 1e9)
     compute = (gemm_layers + shape.layers * attn_layer + elem) * (1 + rc / 3)
     if shape.head:
-        compute += head_gemm_time(args, lay, dev, tokens, eff.gemm)
+        compute += (1 + loss_recompute_fraction(args, lay)) * head_gemm_time(args, lay, dev, tokens, eff.gemm)
         compute += (
             tokens * v / (1 if mega else t) * (a + 12) / (dev.memory_bw_gbs * 1e9)
         )  # logits, softmax, grad
@@ -228,14 +251,23 @@ def _rank_time(
         )
         ep = shape.moe_layers * one_way * (2 + rc)
 
-    # context parallel: ring K/V exchange per layer, hidden behind the attention of the same step
+    # context parallel: the trainer all-gathers K/V (exposed); a ring hides its exchange behind attention
     cp_t = 0.0
-    if cp > 1:
+    if trainer_cp(lay):
+        cp_bw = group_bandwidth(cluster, cp, t, eff)
+        fwd_b, bwd_b = cp_comm_bytes(args, lay)  # bytes received, K and V together: two collectives each way
+        one_way = 2 * eff.latency_s
+        cp_t = shape.layers * ((1 + rc) * (fwd_b / cp_bw + one_way) + bwd_b / cp_bw + one_way)
+    elif cp > 1:
         cp_bw = group_bandwidth(cluster, cp, t, eff)
         kv_msg = tokens * 2 * args.num_kv_heads * args.head_dim / t * a
         ring = 3 * (cp - 1) * (kv_msg / cp_bw + eff.latency_s)  # forward once, backward twice (kv + dkv)
         cp_t = shape.layers * max(0.0, ring - attn_layer)
-    return _RankTime(compute, tp, ep, cp_t, len(shape.chunks))
+    offload = 0.0
+    if lay.recompute == "offload":
+        dense_b, moe_b = layer_bytes(args, lay, False), layer_bytes(args, lay, True)
+        offload = offload_seconds(dev, shape.dense_layers * dense_b + shape.moe_layers * moe_b)
+    return _RankTime(compute, tp, ep, cp_t, len(shape.chunks), offload)
 
 
 def _dp_traffic(
@@ -317,7 +349,8 @@ def estimate_step_time(
 
     if lay.offload:
         work = MASTER_BYTES
-        t_opt = n_opt_max * 32 / 50e9 + n_opt_max * (work + 4) / 25e9  # host Adam + PCIe transfers (~25 GB/s)
+        link = dev.host_link_gbps * 1e9  # host Adam + the parameters / gradients over the host link
+        t_opt = n_opt_max * 32 / 50e9 + n_opt_max * (work + 4) / link
     else:
         t_opt = n_opt_max * (7 * MASTER_BYTES + 4) / (dev.memory_bw_gbs * 1e9)
     if not lay.bf16_weights and lay.precision != "fp32" and lay.pp > 1:  # autocast casts, once per step
@@ -338,6 +371,7 @@ def estimate_step_time(
         dp_total=dp_total,
         model_flops=model_flops,
         ep_comm=m * st.ep,
+        offload=m * st.offload,
         parts={"t_microbatch": t_mb, "slowest_stage": float(slow), "bubble_slots": bubble / t_mb if t_mb else 0.0},
         stage_microbatch_s=[tr.total for tr in times],
     )  # fmt: skip

@@ -24,8 +24,9 @@ Order of the checks (the first failure is the one reported):
 
 ``eval.tasks`` is checked with the fields when ``eval.downstream_steps`` is on (and a stage's override of
 them): every task a shipped name or a task YAML file (:func:`llmtrain.eval.tasks.check_specs`, no lm-eval
-needed), lm-eval installed, and one process (in-loop downstream evaluation under FSDP/TP/PP is not supported
-yet: ``llmtrain eval`` scores such a run's checkpoints).
+needed), lm-eval installed, and no context parallel (FSDP / ZeRO, TP, EP and PP are supported: every rank
+runs the same requests, llmtrain/eval/forward.py; a context-parallel run's checkpoints are scored with
+``llmtrain eval``).
 
 ``train.fp8`` is checked with the fields (before any data is read): :func:`_check_fp8` asks
 ``llmtrain.distributed.float8`` (the one place of the fp8 rules) about the config alone (CPU / NPU targets,
@@ -119,7 +120,7 @@ def check_config(cfg: Config, world_size: int = 1, require_data: bool = True) ->
 
     _check_fields(cfg)
     warnings: list[str] = []
-    _check_downstream(cfg, world_size)
+    _check_downstream(cfg)
     _check_fp8(cfg, require_data, warnings)
     _check_long_context(cfg)
     vocab, found = _check_data(cfg, require_data, warnings)
@@ -267,9 +268,10 @@ def _check_fields(cfg: Config) -> None:
             raise ConfigError(f"data.datasets[{i}].weight: expected a number > 0, got {spec.weight!r}.")
 
 
-def _check_downstream(cfg: Config, world_size: int) -> None:
+def _check_downstream(cfg: Config) -> None:
     """``eval.tasks`` (and a stage's ``eval.tasks`` override) when downstream evaluation is on: every task a
-    shipped name or a task YAML (``llmtrain.eval.tasks``), lm-eval installed, one process."""
+    shipped name or a task YAML (``llmtrain.eval.tasks``), lm-eval installed, no context parallel (any other
+    layout, any world size: llmtrain/eval/forward.py)."""
     import importlib.util
 
     from llmtrain.eval.tasks import check_specs
@@ -288,11 +290,13 @@ def _check_downstream(cfg: Config, world_size: int) -> None:
             f"{active[0][0]} with eval.downstream_steps > 0 needs lm-evaluation-harness, which is not installed: "
             "run `pip install 'llmtrain[eval]'` (or `pip install lm-eval`), or set eval.downstream_steps: 0."
         )
-    if active and world_size > 1:
+    if active and cfg.parallel.context_parallel > 1:
         raise ConfigError(
-            f"{active[0][0]} with eval.downstream_steps > 0 on {world_size} processes: in-loop downstream "
-            "evaluation is not supported yet under data/tensor/pipeline parallelism (it runs on one process); "
-            "set eval.downstream_steps: 0 and score the checkpoints with `llmtrain eval RUN_DIR --tasks ...`."
+            f"{active[0][0]} with eval.downstream_steps > 0 and parallel.context_parallel = "
+            f"{cfg.parallel.context_parallel}: in-loop downstream evaluation does not run under context parallel "
+            "(lm-eval's requests have arbitrary lengths, the context-parallel model takes load-balanced chunks of "
+            "fixed-length batches); it does run under data, tensor, expert and pipeline parallelism. Set "
+            "eval.downstream_steps: 0 and score the checkpoints with `llmtrain eval RUN_DIR --tasks ...`."
         )
 
 

@@ -177,8 +177,10 @@ class DownstreamEvalCallback(Callback):
     """``eval.tasks`` scored with lm-eval every ``eval.downstream_steps`` steps of the active stage, before the
     first step (with ``eval.at_start``) and at the end (llmtrain/eval/). One metrics row per evaluation
     (``eval/<task>/<metric>`` and ``..._stderr``, ``eval/time_s``), a ``downstream_eval`` event, the time in the
-    ``eval`` phase of the split. Single process only for now (resolve/validate.py refuses world_size > 1):
-    under FSDP/TP/PP every rank would have to run the same forwards."""
+    ``eval`` phase of the split. Under a parallel layout (FSDP / ZeRO, TP, EP, PP) every rank runs the same
+    requests through :class:`llmtrain.eval.forward.LayoutForward` (the model's collectives match) and rank 0
+    alone records (``trainer.log_row`` and the event log write on rank 0 only); context parallel is refused by
+    resolve/validate.py."""
 
     def __init__(self) -> None:
         self._tokenizer: Any = None
@@ -208,11 +210,20 @@ class DownstreamEvalCallback(Callback):
         ev, precision = trainer.stage_cfg.eval, trainer.stage_cfg.train.precision
         if self._tokenizer is None:
             self._tokenizer = run_tokenizer(trainer.cfg)
+        dtype = None if precision == "fp32" else PRECISIONS[precision]
+        forward = None
+        if trainer.world_size > 1:  # every rank calls the model with the same inputs
+            from llmtrain.eval.forward import LayoutForward
+
+            forward = LayoutForward(
+                trainer.model, dtype, tensor_parallel=trainer.cfg.parallel.tensor_parallel,
+                pipeline=trainer.pipeline,
+            )  # fmt: skip
         t0 = time.time()
         with trainer.timer.phase("eval"):
             results = evaluate(
                 trainer.model, self._tokenizer, ev.tasks, ev.limit, ev.num_fewshot, ev.batch_size,
-                autocast_dtype=None if precision == "fp32" else PRECISIONS[precision], env_info=False, progress=False,
+                autocast_dtype=dtype, env_info=False, progress=False, forward=forward,
             )  # fmt: skip
         seconds = time.time() - t0
         self._last = trainer.step

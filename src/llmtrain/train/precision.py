@@ -1,7 +1,10 @@
 """Mixed precision: autocast contexts and a dynamic loss scaler that shares its overflow check with clipping.
 
 ``fp32`` runs plain; ``bf16`` runs the forward under ``torch.autocast(dtype=bfloat16)`` with fp32 master weights;
-``fp16`` also scales the loss. The scaler here does not wrap the optimizer (unlike ``torch.amp.GradScaler``):
+``fp16`` also scales the loss. Under FSDP the blocks' weights are also gathered in that dtype
+(``MixedPrecisionPolicy``, distributed/parallelize.py): autocast's casts of them are then no-ops, its op-level
+policy (which ops run in 16 bits) is unchanged, and the gradients FSDP returns are fp32 shards, so
+:meth:`LossScaler.unscale_` and :func:`grad_norm_` work on fp32 as before. The scaler here does not wrap the optimizer (unlike ``torch.amp.GradScaler``):
 after backward the trainer unscales the gradients in place, computes the global gradient norm once, and that
 one number decides everything. A non-finite norm means an overflow somewhere, on any rank, because the norm is
 reduced over all of them; so every rank skips the same step and backs off the same scale, with no extra

@@ -23,6 +23,7 @@ def load_for_generation(run_dir: str | Path):
     from llmtrain.config import load_config
     from llmtrain.data.describe import describe_dataset
     from llmtrain.data.tokenizer import load_tokenizer
+    from llmtrain.distributed.parallel_dims import default_world_size
     from llmtrain.models import build_model
     from llmtrain.resolve import derive
     from llmtrain.train.checkpoint import Checkpointer, is_committed, load_model_weights, run_dir_of
@@ -58,7 +59,10 @@ def load_for_generation(run_dir: str | Path):
     prefix = cfg.data.datasets[0].path
     data = describe_dataset(prefix, cfg.data.tokenizer, "data.datasets[0].path")
     tok = load_tokenizer(str(data.tokenizer_path()))
-    args = derive(cfg, world_size=1, vocab_size=data.vocab_size).model_args
+    # the degrees the run trained with (a TP / PP run's config does not derive on one process); the model's
+    # arguments do not depend on them, and the checkpoint loads under any layout
+    world = default_world_size(cfg.parallel)
+    args = derive(cfg, world_size=world, vocab_size=data.vocab_size).model_args
     model = build_model(args, device="meta")
     model.to_empty(device="cpu")
     model.init_weights(seed=0)

@@ -297,7 +297,8 @@ def _publish(
 
 
 def format_report(output: str, manifest: dict) -> str:
-    """The human-readable report: documents in/out per stage, duplicates, tokens, truncation, padding."""
+    """The human-readable report: documents in/out per stage, duplicates, tokens, truncation, padding, input
+    errors skipped, and for the staged dedup (``report.staged``) its plan and per-stage figures."""
     r = manifest["report"]
     lines = [f"llmtrain prepare report: {output}", ""]
     stages = r.get("stages", {})
@@ -316,5 +317,69 @@ def format_report(output: str, manifest: dict) -> str:
         f"({100 * p['padding_rate']:.2f}%)",
     ]
     if r.get("errors_skipped"):
-        lines.append(f"  input errors skipped: {r['errors_skipped']}")
+        skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(r["errors_skipped"].items()))
+        lines.append(f"  input errors skipped (--on-error skip): {skipped}")
+    if "staged" in r:
+        lines += ["", *_staged_lines(r["staged"], manifest)]
     return "\n".join(lines) + "\n"
+
+
+# stage -> (unit of "in", key, unit of "out", key) in the report's staged section
+_STAGED_IO = {
+    "screen": ("documents", "docs_in", "documents", "docs_out"),
+    "pairs": ("key rows", "rows_in", "pairs", "pairs"),
+    "components": ("pairs", "pairs_in", "components", "components"),
+    "tokenize": ("documents", "docs_in", "documents", "docs_out"),
+}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _staged_lines(staged: dict, manifest: dict) -> list[str]:
+    """The staged dedup's section of the report: the plan, then one row per stage (tasks, in, out, bytes
+    written, driver wall / summed task / CPU seconds, the largest peak RSS of a task), the write stage from the
+    manifest, and the figures that fit no column (candidates, nodes, dropped by kind, tokens, resumed tasks)."""
+    head = (
+        f"  staged dedup: {_plural(staged['partitions'], 'partition')} x {_plural(staged['buckets'], 'bucket')}, "
+        f"engine {staged['engine']}, {_plural(staged['workers'], 'worker')}"
+    )
+    if "engine_seconds" in staged:
+        head += f" (engine start {staged['engine_seconds']:.1f} s)"
+    lines = [
+        head,
+        f"    {'stage':<14}{'tasks':>6}  {'in':<20} {'out':<20} {'bytes written':>14} {'wall s':>8} "
+        f"{'task s':>8} {'CPU s':>8}  peak RSS/task",
+    ]
+    notes, resumed = [], []
+    number = {"screen": 1, "pairs": 2, "components": 3, "tokenize": 4}
+    for name, row in staged["stages"].items():
+        unit_in, key_in, unit_out, key_out = _STAGED_IO[name]
+        wall = f"{row['wall_seconds']:.2f}" if "wall_seconds" in row else "-"
+        lines.append(
+            f"    {number[name]} {name:<12}{row['tasks']:>6,}  {f'{row.get(key_in, 0):,} {unit_in}':<20} "
+            f"{f'{row.get(key_out, 0):,} {unit_out}':<20} {row['bytes']:>14,} {wall:>8} "
+            f"{row['seconds']:>8.2f} {row['cpu_seconds']:>8.2f}  {row['peak_rss_mb_max']:,.1f} MB"
+        )
+        if row.get("resumed"):
+            resumed.append(f"{name} {row['resumed']:,}")
+        if name == "pairs" and "candidates" in row:
+            notes.append(f"pairs: {row['candidates']:,} candidate checks")
+        if name == "components":
+            notes.append(
+                f"components: {row.get('nodes', 0):,} documents in pairs, {row.get('dropped', 0):,} dropped "
+                f"(exact {row.get('exact_duplicate', 0):,}, near {row.get('near_duplicate', 0):,})"
+            )
+        if name == "tokenize":
+            notes.append(f"tokenize: {row.get('tokens', 0):,} tokens")
+    shards = manifest["shards"]
+    written = sum(f["bytes"] for sh in shards for f in sh["files"].values())
+    docs = f"{manifest['documents']:,} documents"
+    lines.append(
+        f"    5 {'write':<12}{1:>6}  {docs:<20} "
+        f"{_plural(len(shards), 'shard'):<20} {written:>14,} {'-':>8} {'-':>8} {'-':>8}  -"
+    )
+    if resumed:
+        notes.append(f"tasks finished before this run: {', '.join(resumed)}")
+    return lines + [f"    {n}" for n in notes]

@@ -11,14 +11,13 @@ the round trip are tested.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf
+from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf, row_blocks
 from llmtrain.models.common.hf_config import ConfigReader, HFDefaults, common_args_from_hf
 
 _PACKED = "attention.wqkv.weight"
@@ -26,24 +25,16 @@ BAICHUAN_LAYER = {
     k: v for k, v in LLAMA_LAYER.items() if not k.startswith("attention.w") or k.startswith("attention.wo")
 }
 BAICHUAN_LAYER[_PACKED] = "self_attn.W_pack.weight"
-_WQ = re.compile(r"^(layers\.\d+\.attention\.)wq\.weight$")
 
 
-def _fuse(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
-    for key in [k for k in sd if _WQ.match(k)]:
-        prefix = key[: -len("wq.weight")]
-        parts = [sd.pop(prefix + name) for name in ("wq.weight", "wk.weight", "wv.weight")]
-        sd[prefix + "wqkv.weight"] = torch.cat(parts, dim=0)
-    return sd
-
-
-def _split(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
+def _qkv_rows(args: TransformerArgs) -> list[int]:
     q_rows, kv_rows = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    for key in [k for k in sd if k.endswith(_PACKED)]:
-        prefix = key[: -len("wqkv.weight")]
-        wq, wk, wv = sd.pop(key).split([q_rows, kv_rows, kv_rows], dim=0)
-        sd[prefix + "wq.weight"], sd[prefix + "wk.weight"], sd[prefix + "wv.weight"] = wq, wk, wv
-    return sd
+    return [q_rows, kv_rows, kv_rows]
+
+
+_fuse, _split = row_blocks(
+    _PACKED, ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"), _qkv_rows
+)
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:

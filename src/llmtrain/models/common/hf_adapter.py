@@ -4,7 +4,9 @@ All supported families store a checkpoint as ``model.embed_tokens``, ``model.lay
 ``model.layers.{i}.mlp.*``, two layer norms, ``model.norm`` and ``lm_head``; they differ in a few fused
 tensors. A family adapter therefore gives only a rename table for the per-layer tensors plus optional
 ``fuse``/``split`` hooks (GLM-4's ``gate_up_proj``, Baichuan's ``W_pack``), and this module does the rest:
-renaming, tied-embedding handling, and a completeness check that names what is missing or unexpected.
+renaming, tied-embedding handling, and a completeness check that names what is missing or unexpected. A fused
+tensor that is row blocks of ours stacked along dim 0 (GLM-4's ``gate_up_proj`` = w1, w3; DeepSeek-V3's
+``kv_a_proj_with_mqa`` = wkv_a, wk_rope) gets its pair of hooks from :func:`row_blocks`.
 
 Conversions are pure renames, concatenations and splits (no arithmetic), so a round trip returns the very
 same tensors. config.json is read and written by ``models/common/hf_config.py``.
@@ -53,6 +55,30 @@ _HF_IGNORED = ("rotary_emb.inv_freq",)
 
 StateDict = dict[str, torch.Tensor]
 FuseHook = Callable[[StateDict, TransformerArgs], StateDict]
+
+
+def row_blocks(
+    fused: str, parts: tuple[str, ...], rows: Callable[[TransformerArgs], list[int]] | None = None
+) -> tuple[FuseHook, FuseHook]:
+    """``(fuse, split)`` hooks for a tensor that HF stores as the row blocks of several of ours stacked along
+    dim 0. ``fused`` and ``parts`` are names inside a block (``layers.{i}.`` omitted), ``parts`` in HF's row
+    order; ``rows(args)`` gives each part's row count (None: equal parts). ``fuse`` concatenates the parts of
+    every block that has the first one; ``split`` cuts every fused tensor back (views, no copy)."""
+
+    def fuse(sd: StateDict, args: TransformerArgs) -> StateDict:
+        for key in [k for k in sd if (m := _OURS_LAYER.match(k)) and m.group(2) == parts[0]]:
+            prefix = key[: -len(parts[0])]
+            sd[prefix + fused] = torch.cat([sd.pop(prefix + p) for p in parts], dim=0)
+        return sd
+
+    def split(sd: StateDict, args: TransformerArgs) -> StateDict:
+        for key in [k for k in sd if (m := _OURS_LAYER.match(k)) and m.group(2) == fused]:
+            prefix, tensor = key[: -len(fused)], sd.pop(key)
+            blocks = tensor.chunk(len(parts), dim=0) if rows is None else tensor.split(rows(args), dim=0)
+            sd.update({prefix + p: b for p, b in zip(parts, blocks, strict=True)})
+        return sd
+
+    return fuse, split
 
 
 def expected_keys(args: TransformerArgs) -> set[str]:

@@ -14,7 +14,7 @@ One forward over ``x [B, T, dim]`` with ``H`` heads (parameter names torchtitan'
 Hugging Face stores ``wkv_a`` and ``wk_rope`` as one ``kv_a_proj_with_mqa`` ``[kv_lora_rank + rope, dim]``; they
 are kept apart here so a tensor-parallel plan can treat the rotary key on its own (its gradient sums over all
 heads, so it needs a reduction over the TP ranks that the latent, reduced inside ``wkv_b``'s column shard, does
-not: ``models/deepseek/parallelize.py``).
+not: ``models/deepseek/tp.py``).
 
 As in transformers' ``DeepseekV3Attention``: the latent and query norms use eps 1e-6 whatever ``rms_norm_eps``
 is, ``rope_interleaved`` (HF ``rope_interleave``, default true) rotates adjacent pairs of the rotary dims, and

@@ -43,7 +43,8 @@ from llmtrain.models.common.layers import FeedForward
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
-    """The local shard of an expert-parallel DTensor weight (autograd-aware); plain tensors unchanged."""
+    """The local shard of an expert-parallel / tensor-parallel DTensor weight (autograd-aware); plain tensors
+    unchanged."""
     return w.to_local() if hasattr(w, "to_local") else w
 
 
@@ -179,7 +180,8 @@ class MoE(nn.Module):
         token = order // self.top_k  # [M]
         y = self.experts(x_flat[token], kept)  # [M, D]
         y = y * weights.flatten()[order, None].to(y.dtype)
-        out = torch.zeros_like(x_flat).index_add_(0, token, y)  # [N, D]
+        # summed in the input's dtype (fp32 residual stream under autocast, where y is bf16 / fp16)
+        out = torch.zeros_like(x_flat).index_add_(0, token, y.to(x_flat.dtype))  # [N, D]
         if self.shared_experts is not None:
             shared = self.shared_experts(x_flat)  # [N, D]
             if self.shared_gate is not None:

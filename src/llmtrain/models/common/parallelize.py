@@ -18,6 +18,10 @@ qkv biases, which the column-wise style shards with their weights). It reaches t
 family, ``FamilySpec.tp_plan`` (``models/common/family.COMMON_TP_PLAN`` wraps :func:`block_plan` and
 :func:`top_plan`); a family that needs another plan gives its own ``TPPlan``. Which tensor-parallel degrees a
 model admits (heads, KV heads, FFN width, sequence length) is decided by ``llmtrain.feasibility``.
+
+MoE models put :class:`~llmtrain.models.common.moe_tp.FeedForwardTP` at ``feed_forward``: it applies the
+dense feed-forward plan above to a dense block and the MoE plan (tokens all-gathered and routed identically
+on every rank, routed experts split by hidden units, shared experts column/row-parallel) to an MoE block.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from torch.distributed.tensor.parallel import (
 
 from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.attention import Attention
+from llmtrain.models.common.moe_tp import FeedForwardTP
 
 
 class NoParallel(ParallelStyle):
@@ -126,6 +131,9 @@ def block_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
+    if args.num_experts:  # MoE blocks (and the dense ones among them): models/common/moe_tp.py
+        plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
+        plan["feed_forward"] = FeedForwardTP(NoParallel)
     if args.qk_norm:
         plan["attention.q_norm"] = NoParallel(input_layout=Shard(2))  # [B, T, local heads, head_dim]
         plan["attention.k_norm"] = NoParallel(input_layout=Shard(2))

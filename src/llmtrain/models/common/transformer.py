@@ -42,7 +42,8 @@ from llmtrain.models.common.rope import RotaryEmbedding
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``; with
-    ``post_norms`` each sub-layer's output is RMS-normalised before its residual add (GLM-4-0414)."""
+    ``post_norms`` each sub-layer's output is RMS-normalised before its residual add (GLM-4-0414). Under
+    autocast the norm outputs are cast once before the projections (:func:`_autocast_input`)."""
 
     def __init__(self, args: TransformerArgs, layer_id: int) -> None:
         super().__init__()
@@ -72,14 +73,26 @@ class TransformerBlock(nn.Module):
         mask: AttentionMask,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        a = self.attention(self.attention_norm(x), rope, mask, cache, self.layer_key)  # [B, T, dim]
+        a = self.attention(_autocast_input(self.attention_norm(x)), rope, mask, cache, self.layer_key)
         if self.attention_post_norm is not None:
             a = self.attention_post_norm(a)
-        h = x + a
-        f = self.feed_forward(self.ffn_norm(h))
+        h = x + a  # [B, T, dim], fp32 under autocast (the residual stream)
+        normed = self.ffn_norm(h)
+        f = self.feed_forward(normed if isinstance(self.feed_forward, MoE) else _autocast_input(normed))
         if self.ffn_post_norm is not None:
             f = self.ffn_post_norm(f)
         return h + f
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's dtype when autocast is on for its device, else ``x``: a norm output cast once for all
+    the projections that read it (attention's wq/wk/wv or MLA's, the MLP's w1/w3), the cast each of them would
+    make (bit-identical), so one 16-bit copy is saved instead of one per projection, and under sequence parallel
+    the all-gather that follows moves 16 bits. Not for the MoE, whose combine accumulates in its input dtype."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 class Transformer(nn.Module):

@@ -26,7 +26,8 @@ demo        256       4      4     0 / 64  16 (4, 1), 4 groups (2)     10,287,61
 with mscale 1 / mscale_all_dim 1, max_position_embeddings 163,840): 671B total, 37.6B activated (published:
 671B / 37B). ``debug`` (tiny, for tests: one dense block then one MoE block, both balancing methods on, aux 0.01) and
 ``demo`` (no query compression, as DeepSeek-V2-Lite; trains on a CPU) keep the family's switches.
-The tensor-parallel plan (``models/deepseek/tp.py``) splits MLA by heads; MoE blocks take expert parallel.
+The tensor-parallel plan (``models/deepseek/tp.py``) splits MLA by heads and the MoE experts by hidden units
+(``models/common/moe_tp.py``); MoE blocks also take expert parallel (not together with TP).
 """
 
 from __future__ import annotations

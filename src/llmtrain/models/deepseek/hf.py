@@ -42,7 +42,7 @@ import torch
 
 from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf
+from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf, row_blocks
 from llmtrain.models.common.hf_config import ConfigReader, HFDefaults, common_args_from_hf, common_hf_config
 from llmtrain.models.common.hf_moe import MoENames, adding, moe_from_hf, moe_to_hf
 
@@ -75,24 +75,11 @@ MOE_DEFAULTS = {
 }
 MLA_DEFAULTS = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64}
 _HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
-_WKV_A = re.compile(r"^(layers\.\d+\.attention\.)wkv_a\.weight$")
-
-
-def _fuse(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
-    for key in [k for k in sd if _WKV_A.match(k)]:
-        prefix = key[: -len("wkv_a.weight")]
-        sd[prefix + "wkv_a_rope.weight"] = torch.cat([sd.pop(key), sd.pop(prefix + "wk_rope.weight")], dim=0)
-    return sd
-
-
-def _split(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
-    for key in [k for k in sd if k.endswith(_FUSED)]:
-        prefix = key[: -len("wkv_a_rope.weight")]
-        fused = sd.pop(key)  # [kv_lora_rank + rope, hidden]
-        sd[prefix + "wkv_a.weight"], sd[prefix + "wk_rope.weight"] = fused.split(
-            [args.kv_lora_rank, args.qk_rope_head_dim], dim=0
-        )
-    return sd
+_fuse, _split = row_blocks(  # [kv_lora_rank + rope, hidden]
+    _FUSED,
+    ("attention.wkv_a.weight", "attention.wk_rope.weight"),
+    lambda a: [a.kv_lora_rank, a.qk_rope_head_dim],
+)
 
 
 def _without_mtp(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:

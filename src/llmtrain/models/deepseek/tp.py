@@ -12,8 +12,11 @@ of a ``Replicate`` input all-reduces the partial gradient), so their gradients a
 different: it is broadcast to the rank's local heads inside the attention, so its gradient covers only those
 heads; :class:`Replicated` with ``reduce_grad`` adds the all-reduce over the TP group on its output.
 
-MoE blocks with tensor parallel are refused by ``llmtrain.feasibility`` (rule ``moe_tp_pp``), so the plan
-covers the dense feed-forward only; a DeepSeek-style dense model (``moe.num_experts: 0``) trains with TP.
+The feed-forward is the common plan's: with experts, ``moe_tp.FeedForwardTP`` gives the first dense blocks the
+dense plan and the DeepSeekMoE blocks the MoE one (routing, group limits, the selection bias and the aux loss
+on replicated scores; routed experts split by hidden units; the shared experts column/row-parallel). Per MLA
+layer the TP communication is the dense attention's: all-gather of the input, reduce-scatter of ``wo``'s
+output, plus the rotary key's gradient all-reduce (``[B, T, qk_rope_head_dim]``) in backward.
 Imported on first use only (``torch.distributed.tensor``); the family spec wraps it in a ``TPPlan``.
 """
 
@@ -84,9 +87,7 @@ class Replicated(ParallelStyle):
 
 
 def block_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
-    """Plan of one DeepSeek block (MLA + dense feed-forward), relative to the block."""
-    if args.num_experts:
-        raise ValueError("MoE blocks have no tensor-parallel plan (llmtrain.feasibility refuses MoE with TP)")
+    """Plan of one DeepSeek block (MLA + dense or MoE feed-forward), relative to the block."""
     plan = {
         k: v
         for k, v in common_block_plan(args).items()

@@ -13,14 +13,13 @@ max_position_embeddings 131,072, rope_theta 10,000.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf
+from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf, row_blocks
 from llmtrain.models.common.hf_config import ConfigReader, HFDefaults, common_args_from_hf, common_hf_config
 
 DEFAULTS = HFDefaults(
@@ -38,22 +37,7 @@ GLM_LAYER = {
 GLM_LAYER[_FUSED] = "mlp.gate_up_proj.weight"
 GLM_LAYER["attention_post_norm.weight"] = "post_self_attn_layernorm.weight"
 GLM_LAYER["ffn_post_norm.weight"] = "post_mlp_layernorm.weight"
-_W1 = re.compile(r"^(layers\.\d+\.feed_forward\.)w1\.weight$")
-
-
-def _fuse(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
-    for key in [k for k in sd if _W1.match(k)]:
-        prefix = key[: -len("w1.weight")]
-        sd[prefix + "w13.weight"] = torch.cat([sd.pop(key), sd.pop(prefix + "w3.weight")], dim=0)
-    return sd
-
-
-def _split(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:
-    for key in [k for k in sd if k.endswith(_FUSED)]:
-        prefix = key[: -len("w13.weight")]
-        gate, up = sd.pop(key).chunk(2, dim=0)  # [ffn, hidden] each
-        sd[prefix + "w1.weight"], sd[prefix + "w3.weight"] = gate, up
-    return sd
+_fuse, _split = row_blocks(_FUSED, ("feed_forward.w1.weight", "feed_forward.w3.weight"))  # [ffn, hidden] each
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ Qwen2-57B-A14B (64 experts of 2,560, top 8, shared 20,480), 57,408,658,944 total
 (published 57.4B / 14B). ``debug_moe`` of qwen2 has the same switches at test size. Qwen3-MoE is ``qwen3`` with
 experts (``30b_a3b``; its ``debug_moe`` uses an ungated shared expert and the aux-loss-free bias, which
 Qwen3MoeForCausalLM lacks: export refuses it by name; ``debug_moe_hf`` is the exportable one). MoE blocks run
-with expert parallel and ZeRO; tensor / pipeline parallel with MoE are refused by ``llmtrain.feasibility``.
+with expert parallel, ZeRO, pipeline parallel and the common TP plan (``models/common/moe_tp.py``: experts split
+by hidden units, the shared expert gate replicated); expert parallel together with TP is refused.
 """
 
 from __future__ import annotations

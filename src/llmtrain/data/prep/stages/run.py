@@ -12,7 +12,10 @@ settled, in one of two modes:
 The report (the manifest's ``report``) keeps the one-process layout (``stage_report`` of the parts' counters:
 documents in and out of read, clean, filter, dedup, tokenize) and adds ``staged``: the plan and, per stage,
 tasks, documents (or rows, pairs) in and out, pairs, components, bytes written, task seconds and CPU seconds,
-and the peak resident memory of each task.
+and the peak resident memory of each task; a whole run adds, per stage, the tasks found finished when it started
+(``resumed``) and the driver's wall seconds of the tasks it ran (``wall_seconds``), and the seconds the engine
+took to start (``engine_seconds``). Timings are never compared: the byte identity across engines is of the
+shards and of the document counts (``report.stages``), not of ``report.staged``.
 """
 
 from __future__ import annotations
@@ -110,6 +113,8 @@ def run_stages(
                        os.getcwd(), os.getpid())  # fmt: skip
     wanted = [settings.stage] if settings.stage is not None else [1, 2, 3, 4]
     engine: Engine | None = None
+    timing: dict[int, dict] = {}  # stage -> resumed tasks and wall seconds of this run
+    engine_seconds = None
     try:
         for stage in wanted:
             if stage == 5:
@@ -125,8 +130,13 @@ def run_stages(
             _prerequisites(ctx, stage)
             todo = [t for t in tasks if ctx.done(stage, t) is None]
             if todo and engine is None:
+                started = time.perf_counter()
                 engine = make_engine(settings, job)
-            _run_stage(job, ctx, stage, tasks, todo, engine)
+                engine_seconds = round(time.perf_counter() - started, 3)
+            wall = _run_stage(job, ctx, stage, tasks, todo, engine)
+            timing[stage] = {"resumed": len(tasks) - len(todo)}
+            if wall is not None:
+                timing[stage]["wall_seconds"] = wall
     finally:
         if engine is not None:
             engine.close()
@@ -134,7 +144,7 @@ def run_stages(
         summary = {
             "stage": settings.stage,
             "task": settings.task,
-            "report": stage_summary(ctx, settings.stage),
+            "report": {**stage_summary(ctx, settings.stage), **timing.get(settings.stage, {})},
         }
         return StagedResult(summary=summary)
     _prerequisites(ctx, 5)
@@ -149,8 +159,12 @@ def run_stages(
         "buckets": plan.buckets,
         "engine": settings.engine,
         "workers": job.workers,
-        "stages": {STAGES[s]: stage_summary(ctx, s) for s in (1, 2, 3, 4) if ctx.tasks(s)},
+        "stages": {
+            STAGES[s]: {**stage_summary(ctx, s), **timing.get(s, {})} for s in (1, 2, 3, 4) if ctx.tasks(s)
+        },
     }
+    if engine_seconds is not None:
+        report["staged"]["engine_seconds"] = engine_seconds
     return StagedResult(
         report=report, batches=staged_batches(ctx), parts_dir=ctx.s4(), parts=len(plan.partitions)
     )
@@ -166,13 +180,14 @@ def _prerequisites(ctx: StageContext, stage: int) -> None:
 
 def _run_stage(
     job: PrepareJob, ctx: StageContext, stage: int, tasks: list[int], todo: list[int], engine: Engine | None
-) -> None:
-    """Run the unfinished ``todo`` of ``tasks`` on ``engine``, with progress lines."""
+) -> float | None:
+    """Run the unfinished ``todo`` of ``tasks`` on ``engine``, with progress lines; the wall seconds they took
+    (None when there was nothing to do)."""
     name = f"stage {stage} {STAGES[stage]}"
     if not todo:
         if tasks:
             job.say(f"prepare: {name}: {len(tasks)} task(s) already finished")
-        return
+        return None
     assert engine is not None
     job.say(
         f"prepare: {name}: {len(todo)} task(s) on {engine.name} ({len(tasks) - len(todo)} already finished)"
@@ -184,6 +199,7 @@ def _run_stage(
             raise stats["error"]
         if n % step == 0 or n == len(todo):
             job.say(f"prepare: {name}: {n}/{len(todo)} done, {time.perf_counter() - start:.1f}s")
+    wall = round(time.perf_counter() - start, 3)
     s = stage_summary(ctx, stage, tasks)
     figures = ", ".join(f"{k.replace('_', ' ')} {s[k]:,}" for k in ("docs_in", "docs_out", "rows_in", "pairs",
                         "components", "dropped", "tokens") if k in s)  # fmt: skip
@@ -191,6 +207,7 @@ def _run_stage(
         f"prepare: {name}: {figures}; {s['bytes'] / 1e6:.1f} MB written, {s['cpu_seconds']:.1f} CPU s, "
         f"peak RSS per task {s['peak_rss_mb_max']:.0f} MB"
     )
+    return wall
 
 
 def stage_summary(ctx: StageContext, stage: int, tasks: list[int] | None = None) -> dict:

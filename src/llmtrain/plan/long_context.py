@@ -1,0 +1,125 @@
+"""What long sequences add to a plan: context parallel as the trainer runs it, the chunked loss, activation offload.
+
+**Context parallel** (``distributed/context_parallel.py``, engine ``llmtrain``): each rank holds ``seq / cp``
+tokens of every sequence (two load-balanced chunks) and, in every attention layer, all-gathers the keys and
+values of the whole sequence, then runs ``scaled_dot_product_attention`` of its queries against all keys with a
+dense boolean mask built once per micro-batch from global positions. Counted per layer, per rank
+(``b`` micro-batch, ``s`` seq, ``t`` tp, ``kv`` = kv_heads x head_dim, ``a`` the activation bytes):
+
+* communication: forward an all-gather of K and of V, each ``b s kv / t`` elements of ``a`` bytes, of which a
+  rank receives ``(cp - 1) / cp``; backward a reduce-scatter of their gradients, the same volume (again
+  forward under full recompute). The trainer runs them in line, so all of it is exposed
+  (:func:`cp_comm_bytes`).
+* memory (:func:`cp_layer_bytes`), what autograd saves (counted with saved-tensor hooks,
+  ``tests/test_plan_long.py``): SDPA keeps the *gathered* K and V, ``(cp - 1) / cp`` more than the local ones
+  the block count already has, ``2 a b s kv (cp - 1) / (cp t)``; and it converts the boolean mask into an
+  additive mask of the query dtype and saves that copy, per layer: ``a x b_m x (s / cp) x s`` (``b_m`` = ``b``
+  with ``model.document_mask``, else 1; ALiBi's bias has a head dimension too: x heads / t). The boolean mask
+  itself (1 byte per element, once per micro-batch) is what the trainer holds between layers.
+* attention FLOPs: a dense mask makes the kernel compute every query-key block (no causal block skipping), so
+  a rank runs ``(s / cp) x s`` scores per head, twice the causal half that load balancing would give a
+  causal kernel (:func:`cp_dense_keys`); the mask's traffic (convert, read forward and backward) is added.
+
+Engines ``megatron`` / ``nemo`` keep the ring model (Transformer Engine's P2P ring: (cp - 1) K/V exchanges per
+layer forward and twice backward, hidden behind the attention of the same step, causal work only).
+
+**Chunked loss** (``train/loss.py``): :func:`loss_chunk` asks the trainer's own rule
+(``resolve_loss_chunk``: ``train.loss_chunk_tokens``, automatic at vocab >= 64k without TP and PP), and the head
+rank's logits term (bf16 logits + fp32 log-softmax + fp32 gradient per element) covers ``min(chunk, tokens)``
+tokens instead of the micro-batch's (:func:`logits_bytes`); the chunks' logits are recomputed in backward, one
+more forward of the output projection (:func:`loss_recompute_fraction`).
+
+**Activation offload** (``recompute.mode: offload``, ``distributed/offload.py``): the tensors each block saves
+go to host memory during forward and come back in backward; parameters (and views of them) stay. On the
+device: the residual stream in flight and one block's saved tensors (the block running forward before its
+copies land, or backward after they came back); ``host_bytes`` gets the rest. The copies cross the host link
+twice per micro-batch (out in forward, back in backward) at ``host_link_gbps``; they are issued on the compute
+stream (``copy_(non_blocking)`` / ``.to(non_blocking)``), so the planner counts them as exposed
+(:func:`offload_seconds`).
+"""
+
+from __future__ import annotations
+
+from llmtrain.models import TransformerArgs
+from llmtrain.plan.catalog import Device
+from llmtrain.plan.layout import Layout
+from llmtrain.train.loss import resolve_loss_chunk
+
+LOGIT_BYTES_EXTRA = 4 + 4
+"""Per logit element beyond the activation dtype: the fp32 log-softmax and the fp32 gradient."""
+
+
+def trainer_cp(lay: Layout) -> bool:
+    """Context parallel as this trainer runs it (all-gathered K/V, dense mask), not a ring."""
+    return lay.cp > 1 and not lay.bf16_weights
+
+
+def _kv_width(args: TransformerArgs) -> int:
+    return args.num_kv_heads * args.head_dim
+
+
+def cp_layer_bytes(args: TransformerArgs, lay: Layout) -> dict[str, float]:
+    """Bytes one attention layer saves under the trainer's CP beyond the block's per-token count
+    (``gathered_kv``, ``mask``; see the module docstring); zeros without it."""
+    if not trainer_cp(lay):
+        return {"gathered_kv": 0.0, "mask": 0.0}
+    a, b, s, cp, t = lay.act_bytes, lay.micro_batch_size, lay.seq_length, lay.cp, lay.tp
+    gathered = 2 * a * b * s * _kv_width(args) * (cp - 1) / (cp * t)
+    rows = (b if lay.document_mask else 1) * (args.num_heads / t if args.position_embedding == "alibi" else 1)
+    return {"gathered_kv": gathered, "mask": a * rows * (s / cp) * s}
+
+
+def cp_bool_mask_bytes(args: TransformerArgs, lay: Layout) -> float:
+    """The boolean mask (and its sliding-window twin) the trainer holds for the current micro-batch."""
+    if not trainer_cp(lay):
+        return 0.0
+    masks = 2 if 0 < (getattr(args, "sliding_window", 0) or 0) < lay.seq_length else 1
+    rows = masks * (lay.micro_batch_size if lay.document_mask else 1)
+    return rows * (lay.seq_length / lay.cp) * lay.seq_length
+
+
+def cp_comm_bytes(args: TransformerArgs, lay: Layout) -> tuple[float, float]:
+    """(forward, backward) bytes one rank receives per attention layer under the trainer's CP: the all-gather
+    of K and V, the reduce-scatter of their gradients, each ``(cp - 1) / cp`` of ``2 b s kv / t x a``."""
+    if not trainer_cp(lay):
+        return 0.0, 0.0
+    full = 2 * lay.micro_batch_size * lay.seq_length * _kv_width(args) / lay.tp * lay.act_bytes
+    moved = (lay.cp - 1) / lay.cp * full
+    return moved, moved
+
+
+def cp_dense_keys(lay: Layout) -> float:
+    """Keys per local query the trainer's dense-mask kernel computes under CP: the whole sequence."""
+    return float(lay.seq_length)
+
+
+def loss_chunk(args: TransformerArgs, lay: Layout) -> int:
+    """Tokens per loss chunk the trainer uses for this layout (0: the plain loss); engines other than
+    ``llmtrain`` keep their own (vocabulary-parallel) loss."""
+    if lay.bf16_weights:
+        return 0
+    return resolve_loss_chunk(lay.loss_chunk_tokens, args.vocab_size, lay.tp, lay.pp)
+
+
+def logits_bytes(args: TransformerArgs, lay: Layout, tokens: float) -> float:
+    """The head rank's logits term for one micro-batch of ``tokens`` tokens (see the module docstring)."""
+    vocab = args.vocab_size / (lay.tp if lay.bf16_weights else 1)
+    chunk = loss_chunk(args, lay)
+    live = min(float(chunk), tokens) if chunk else tokens
+    return live * vocab * (lay.act_bytes + LOGIT_BYTES_EXTRA)
+
+
+def loss_recompute_fraction(args: TransformerArgs, lay: Layout) -> float:
+    """Extra output-projection work of the chunked loss, as a fraction of its forward + backward (1/3)."""
+    return 1.0 / 3 if loss_chunk(args, lay) else 0.0
+
+
+def offload_seconds(dev: Device, saved_bytes: float) -> float:
+    """Seconds of one micro-batch's offload copies: ``saved_bytes`` out in forward and back in backward."""
+    return 2 * saved_bytes / (dev.host_link_gbps * 1e9)
+
+
+__all__ = [
+    "cp_bool_mask_bytes", "cp_comm_bytes", "cp_dense_keys", "cp_layer_bytes", "logits_bytes", "loss_chunk",
+    "loss_recompute_fraction", "offload_seconds", "trainer_cp",
+]  # fmt: skip
