@@ -159,11 +159,19 @@ def _patched(lm_eval: Any, env_info: bool, progress: bool) -> Iterator[None]:
     if not progress and hasattr(task_module, "tqdm"):
         saved.append((task_module, "tqdm", task_module.tqdm))
         task_module.tqdm = functools.partial(task_module.tqdm, disable=True)
+    bars = None
+    if not progress:  # datasets' "Generating test split" bar when a task's local file is first read
+        from datasets.utils import logging as ds_logging  # type: ignore[import-untyped]
+
+        bars = ds_logging.is_progress_bar_enabled()
+        ds_logging.disable_progress_bar()
     try:
         yield
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+        if bars:
+            ds_logging.enable_progress_bar()
 
 
 def _number(v: Any) -> float | None:
