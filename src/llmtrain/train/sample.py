@@ -10,6 +10,7 @@ continued by :func:`llmtrain.generate.generate` (KV-cached decoding); the flags 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -21,9 +22,9 @@ from llmtrain.errors import CheckpointError
 def load_for_generation(run_dir: str | Path):
     """(model, tokenizer, checkpoint path) for the newest checkpoint of ``run_dir``."""
     from llmtrain.config import load_config
+    from llmtrain.config.schema import ParallelConfig
     from llmtrain.data.describe import describe_dataset
     from llmtrain.data.tokenizer import load_tokenizer
-    from llmtrain.distributed.parallel_dims import default_world_size
     from llmtrain.models import build_model
     from llmtrain.resolve import derive
     from llmtrain.train.checkpoint import Checkpointer, is_committed, load_model_weights, run_dir_of
@@ -59,10 +60,10 @@ def load_for_generation(run_dir: str | Path):
     prefix = cfg.data.datasets[0].path
     data = describe_dataset(prefix, cfg.data.tokenizer, "data.datasets[0].path")
     tok = load_tokenizer(str(data.tokenizer_path()))
-    # the degrees the run trained with (a TP / PP run's config does not derive on one process); the model's
-    # arguments do not depend on them, and the checkpoint loads under any layout
-    world = default_world_size(cfg.parallel)
-    args = derive(cfg, world_size=world, vocab_size=data.vocab_size).model_args
+    # one process, whatever layout the run trained with (a TP / PP / EP run's parallel section does not derive
+    # on one process); the model's arguments do not depend on it, and the checkpoint loads under any layout
+    one = dataclasses.replace(cfg, parallel=ParallelConfig())
+    args = derive(one, world_size=1, vocab_size=data.vocab_size).model_args
     model = build_model(args, device="meta")
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
