@@ -61,3 +61,24 @@ def read_megatron(prefix: str) -> list[list[int]]:
     pointers = np.frombuffer(idx, np.int64, n_seq, 34 + 4 * n_seq)
     data = Path(f"{prefix}.bin").read_bytes()
     return [np.frombuffer(data, dtype, int(n), int(p)).tolist() for n, p in zip(sizes, pointers)]
+
+
+def gen_task(folder: Path, rows: list[dict], max_gen_toks: int) -> Path:
+    """An lm-eval ``generate_until`` task file (greedy, stop at a newline, exact match) with its data next to it
+    (``data_files`` relative to the YAML): ``rows`` of ``{"prompt", "answer"}``."""
+    import json
+
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {
+        "task": "tiny_gen", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "gen.jsonl"}},
+        "test_split": "test", "output_type": "generate_until", "doc_to_text": "{{prompt}}",
+        "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": max_gen_toks, "do_sample": False},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+    }  # fmt: skip
+    path = folder / "tiny_gen.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path

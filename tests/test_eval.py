@@ -18,7 +18,7 @@ import yaml
 
 pytest.importorskip("lm_eval")
 
-from conftest import tiny_config  # noqa: E402
+from conftest import gen_task, tiny_config  # noqa: E402
 from llmtrain.cli import main as cli  # noqa: E402
 from llmtrain.errors import ConfigError  # noqa: E402
 from llmtrain.eval import stdlib_tasks  # noqa: E402
@@ -31,19 +31,7 @@ GEN_ROWS = [{"prompt": p, "answer": a} for p, a in [("import ", "os"), ("def ", 
 
 
 def _gen_task(folder: Path) -> Path:
-    """A generate_until task with its data next to it (data_files relative to the YAML)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GEN_ROWS))
-    spec = {
-        "task": "tiny_gen", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "gen.jsonl"}},
-        "test_split": "test", "output_type": "generate_until", "doc_to_text": "{{prompt}}",
-        "doc_to_target": "{{answer}}",
-        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 12, "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-    }  # fmt: skip
-    path = folder / "tiny_gen.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    return gen_task(folder, GEN_ROWS, max_gen_toks=12)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from conftest import tiny_config  # noqa: E402
+from conftest import gen_task, tiny_config  # noqa: E402
 
 TASKS = ["stdlib_mc", "stdlib_ppl"]
 LIMIT, STEPS = 20, 2
@@ -39,20 +39,7 @@ GEN_ROWS = [{"prompt": "import ", "answer": "os"}, {"prompt": "def ", "answer": 
 
 
 def _gen_task(folder: Path) -> Path:
-    """A generate_until task (6 greedy tokens at most) with its data next to it."""
-    import yaml
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GEN_ROWS))
-    spec = {
-        "task": "tiny_gen", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "gen.jsonl"}},
-        "test_split": "test", "output_type": "generate_until", "doc_to_text": "{{prompt}}",
-        "doc_to_target": "{{answer}}", "generation_kwargs": {"until": ["\n"], "max_gen_toks": 6, "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-    }  # fmt: skip
-    path = folder / "tiny_gen.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    return gen_task(folder, GEN_ROWS, max_gen_toks=6)
 
 
 def run_config(prefix: str, out: Path, tasks: list[str], parallel: dict) -> dict:

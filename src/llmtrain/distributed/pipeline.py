@@ -258,21 +258,12 @@ class PipelineRunner:
             dict(zip(kwargs, vals)) for vals in zip(*(torch.tensor_split(v, n_mb) for v in kwargs.values()))
         ]
         targets = torch.tensor_split(labels, n_mb)
-        mine = dict(zip(self.stage_ids, self.parts))
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         with autocast(self.cfg.train.precision, self.device.type):
             for m in range(n_mb):
-                h: torch.Tensor | None = None
-                for s in range(self.n_chunks):
-                    if s not in mine:
-                        continue
-                    if s > 0 and self.owner[s - 1] != self.pp_rank:
-                        h = self._recv(self.owner[s - 1])
-                    h = mine[s](ids[m] if s == 0 else h, **kw[m])  # [b, T(/tp), dim] or logits
-                    if s == self.n_chunks - 1:
-                        total += self.ce_loss(h, targets[m]).float()
-                    elif self.owner[s + 1] != self.pp_rank:
-                        self._send(h, self.owner[s + 1])
+                logits = self._forward_stages(ids[m], **kw[m])
+                if logits is not None:
+                    total += self.ce_loss(logits, targets[m]).float()
         dist.all_reduce(total, group=self.pp_group)
         return total
 
@@ -284,6 +275,11 @@ class PipelineRunner:
         The caller chooses the autocast (downstream evaluation: llmtrain/eval/forward.py)."""
         ids = ids.to(self.device)
         position_ids = torch.arange(ids.shape[1], device=self.device).expand_as(ids).contiguous()
+        return self._forward_stages(ids, position_ids=position_ids)
+
+    def _forward_stages(self, ids: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
+        """This rank's stages of one forward-only pass, in stage order, activations sent / received between
+        ranks; the last stage's output (logits) on its rank, None on the others."""
         mine = dict(zip(self.stage_ids, self.parts))
         h: torch.Tensor | None = None
         for s in range(self.n_chunks):
@@ -291,7 +287,7 @@ class PipelineRunner:
                 continue
             if s > 0 and self.owner[s - 1] != self.pp_rank:
                 h = self._recv(self.owner[s - 1])
-            h = mine[s](ids if s == 0 else h, position_ids=position_ids)  # [B, T(/tp), dim] or logits
+            h = mine[s](ids if s == 0 else h, **kwargs)  # [b, T(/tp), dim] or logits
             if s == self.n_chunks - 1:
                 return h
             if self.owner[s + 1] != self.pp_rank:

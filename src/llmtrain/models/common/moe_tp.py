@@ -46,8 +46,9 @@ from torch.distributed.tensor.parallel import (
 from llmtrain.models.common.moe import GroupedExperts, MoE
 
 
-class _CopyToTP(torch.autograd.Function):
-    """``f``: identity forward; backward sums the gradient over the TP group (each rank saw a hidden slice)."""
+class SumGradOverGroup(torch.autograd.Function):
+    """``f``: identity forward; backward sums the gradient over ``group`` (each TP rank saw a hidden slice;
+    also the replicated MLA projections, models/deepseek/tp.py)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -88,7 +89,7 @@ class ExpertTP(ParallelStyle):
 
         def copy_in(mod: nn.Module, args: tuple) -> tuple:
             x, counts = args
-            return _CopyToTP.apply(x, group), counts
+            return SumGradOverGroup.apply(x, group), counts
 
         def reduce_out(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
             return _ReduceFromTP.apply(out, group)

@@ -25,30 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from llmtrain.models.common.args import TransformerArgs
+from llmtrain.models.common.moe_tp import SumGradOverGroup
 from llmtrain.models.common.parallelize import block_plan as common_block_plan
 from llmtrain.models.common.parallelize import top_plan as common_top_plan
-
-
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over ``group``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class Replicated(ParallelStyle):
@@ -80,7 +65,7 @@ class Replicated(ParallelStyle):
 
         def output_fn(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
             out = out.to_local() if isinstance(out, DTensor) else out
-            return _SumGradOverGroup.apply(out, group) if reduce_grad else out
+            return SumGradOverGroup.apply(out, group) if reduce_grad else out
 
         # torch types input_fn as returning None, but a returned tuple replaces the inputs (forward pre-hook)
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)  # type: ignore[arg-type]
