@@ -67,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sdpa", choices=("flash", "auto"), default="flash")
     ap.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
+    ap.add_argument(
+        "--cluster-device", default=None, help="planner device name (default: from the GPU's name)"
+    )
     ap.add_argument("--tiny", action="store_true", help="tiny shape and seq 64 (CPU smoke test)")
     ap.add_argument("--data", default=None, help="prepared dataset prefix (default: prepare a stdlib corpus)")
     a = ap.parse_args()
@@ -171,6 +174,25 @@ def bench_size(a: argparse.Namespace, size: str, prefix: str, world: int, sdpa: 
     }
 
 
+def planned_tps_per_gpu(a: argparse.Namespace, size: str, prefix: str, world: int) -> float | None:
+    """The planner's tokens/s per GPU for the same config on ``world`` x ``--cluster-device`` (None: no device
+    name given and the GPU's name is not H100 / H200)."""
+    from llmtrain.config import config_from_dict
+    from llmtrain.plan.catalog import load_catalog, parse_cluster
+    from llmtrain.plan.search import evaluate, layout_from_config
+
+    device = a.cluster_device
+    if device is None and a.device == "cuda":
+        name = torch.cuda.get_device_name(0).lower()
+        device = "h200" if "h200" in name else "h100" if "h100" in name else None
+    if device is None:
+        return None
+    cfg = config_from_dict(make_config(a, size, prefix, tempfile.gettempdir(), world))
+    cluster = parse_cluster(f"{world}x{device}", load_catalog())
+    lay, margs, tokens = layout_from_config(cfg, world, a.recompute)
+    return evaluate(margs, lay, cluster, tokens, bool(cfg.train.compile)).tokens_per_s_per_device
+
+
 def run_size(a: argparse.Namespace, size: str, prefix: str, world: int) -> dict:
     """``bench_size``, falling back from the flash-only SDPA to torch's choice if no flash kernel applies."""
     try:
@@ -220,15 +242,17 @@ def main() -> int:
         )
         print(
             f"{'size':>5} {'params':>8} {'tok/step':>9} {'step s':>8} {'tokens/s':>10} {'tok/s/GPU':>10} "
-            f"{'MFU':>7} {'peak GiB':>9} {'loss':>7} sdpa"
+            f"{'MFU':>7} {'peak GiB':>9} {'loss':>7} {'planned':>9} {'error':>7} sdpa"
         )
     for size in a.sizes.split(","):
         r = run_size(a, size, prefix, world)
         if rank == 0:
+            plan = planned_tps_per_gpu(a, size, prefix, world)  # tok/s/GPU; error = planned / measured - 1
+            planned = f"{plan:>9,.0f} {plan / r['tps_gpu'] - 1:>+7.1%}" if plan else f"{'-':>9} {'-':>7}"
             print(
                 f"{r['size']:>5} {r['params'] / 1e9:>7.3f}B {r['tokens_per_step']:>9,} {r['step_s']:>8.3f} "
                 f"{r['tps']:>10,.0f} {r['tps_gpu']:>10,.0f} {r['mfu']:>7.2%} {r['peak_gib']:>9.1f} "
-                f"{r['loss']:>7.3f} {r['sdpa']}",
+                f"{r['loss']:>7.3f} {planned} {r['sdpa']}",
                 flush=True,
             )
     if world > 1:

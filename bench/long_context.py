@@ -22,11 +22,18 @@ log(peak) over log(seq) (dense ~2, block-sparse ~1). Then the chunked cross-entr
 ``--vocab`` (128K) against the plain loss over ``--loss-tokens`` tokens: peak of forward + backward.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/long_context.py --seqs 2048 4096 8192 16384 --loss-tokens 2048
+
+GPU comparison (issue 17: flex with document masks vs SDPA's flash kernel on a plain causal mask, equal tokens,
+bf16; ``causal_step`` is that SDPA training step, no mask tensor; scripts/gpu_checks.sh runs it)::
+
+    python3 bench/long_context.py --seqs 8192 16384 32768 --kinds causal_step flex --bf16 --dim 2048 --heads 16 \
+        --layers 4 --no-loss
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -99,11 +106,15 @@ def _child(kind: str, seq: int, a: argparse.Namespace) -> dict:
     flex.COMPILE_ON_CPU = True
     model, ids, pos, doc_ids = _tiny_llama(seq, a, device)
     model.attention_impl = "flex" if kind == "flex" else "sdpa"
-    train = kind == "sdpa_step" or (kind == "flex" and device.type == "cuda")
+    train = kind in ("sdpa_step", "causal_step") or (kind == "flex" and device.type == "cuda")
+    causal = kind == "causal_step"  # plain causal, no mask tensor: SDPA may take its flash kernel
+    cast = torch.autocast(device.type, dtype=torch.bfloat16) if a.bf16 else contextlib.nullcontext()
 
     def step() -> None:
-        with torch.set_grad_enabled(train):
-            logits = model(ids, position_ids=pos, document_ids=doc_ids)
+        with torch.set_grad_enabled(train), cast:
+            logits = model(
+                ids, position_ids=None if causal else pos, document_ids=None if causal else doc_ids
+            )
             if train:
                 TokenLoss()(logits, ids).backward()
                 model.zero_grad(set_to_none=True)
@@ -122,8 +133,8 @@ def _tiny_llama(seq: int, a: argparse.Namespace, device) -> tuple:
 
     torch.manual_seed(0)
     args = dataclasses.replace(
-        FAMILIES["llama3"].flavor_args("debug"), hidden_size=a.dim, num_layers=2, num_heads=4, num_kv_heads=4,
-        head_dim=a.dim // 4, intermediate_size=2 * a.dim, vocab_size=512, seq_length=seq,
+        FAMILIES["llama3"].flavor_args("debug"), hidden_size=a.dim, num_layers=a.layers, num_heads=a.heads,
+        num_kv_heads=a.heads, head_dim=a.dim // a.heads, intermediate_size=2 * a.dim, vocab_size=512, seq_length=seq,
         max_position_embeddings=seq,
     )  # fmt: skip
     model = build_model(args, device=device)
@@ -222,13 +233,16 @@ def main() -> None:
     p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--doc-len", type=int, default=512)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="the model's forward under bf16 autocast (GPU runs)")
     p.add_argument("--vocab", type=int, default=131072)
     p.add_argument("--loss-tokens", type=int, default=2048)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument(
         "--kinds",
         nargs="+",
-        choices=("sdpa_step", "sdpa_fwd", "flex", "cp2"),
+        choices=("sdpa_step", "sdpa_fwd", "flex", "cp2", "causal_step"),
         default=["sdpa_step", "sdpa_fwd", "flex", "cp2"],
         help="columns to measure (others: -)",
     )
@@ -266,6 +280,14 @@ def main() -> None:
         ok = "peak" in one and "peak" in cp and one.get("device") == cp.get("device")
         cells.append(f"{cp['peak'] / one['peak']:.2f}" if ok else "-")  # cp2 per rank / one process
         print(f"| {seq} | " + " | ".join(cells) + " |", flush=True)
+        if "causal_step" in a.kinds:  # the GPU comparison: flex with document masks vs SDPA's plain causal
+            c, f = _run_child("causal_step", seq, a), row["flex"]
+            speed = f"{c['s'] / f['s']:.2f}x" if "s" in c and "s" in f and f.get("train") else "-"
+            print(
+                f"  seq {seq}: sdpa plain causal step {c.get('s', 0):.3f} s, peak "
+                f"{c['peak'] / mib:.1f} MiB; flex document-mask speed / plain causal (equal tokens): {speed}"
+                if "peak" in c else f"  seq {seq}: causal_step {c}", flush=True,
+            )  # fmt: skip
     flex_mode = "train step" if any(r.get("train") for r in results["flex"]) else "forward only (CPU)"
     for k in kinds:
         pts = [(r["seq"], r["peak"]) for r in results[k] if "peak" in r]
