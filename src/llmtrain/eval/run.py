@@ -117,7 +117,8 @@ def evaluate(
         raise ConfigError(f"the evaluation limit must be positive (items per task), got {limit}.")
     if num_fewshot is not None and num_fewshot < 0:
         raise ConfigError(f"num_fewshot must be 0 or more, got {num_fewshot}.")
-    manager, built = build_tasks(tasks)
+    with _datasets_quiet(progress):
+        manager, built = build_tasks(tasks)
     lm = LLMTrainLM(
         model, tokenizer, batch_size, max_length=max_length, autocast_dtype=autocast_dtype, progress=progress,
         forward=forward,
@@ -125,7 +126,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        with _patched(lm_eval, env_info, progress):
+        with _patched(lm_eval, env_info, progress), _datasets_quiet(progress):
             results = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=built,
@@ -159,17 +160,25 @@ def _patched(lm_eval: Any, env_info: bool, progress: bool) -> Iterator[None]:
     if not progress and hasattr(task_module, "tqdm"):
         saved.append((task_module, "tqdm", task_module.tqdm))
         task_module.tqdm = functools.partial(task_module.tqdm, disable=True)
-    bars = None
-    if not progress:  # datasets' "Generating test split" bar when a task's local file is first read
-        from datasets.utils import logging as ds_logging  # type: ignore[import-untyped]
-
-        bars = ds_logging.is_progress_bar_enabled()
-        ds_logging.disable_progress_bar()
     try:
         yield
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _datasets_quiet(progress: bool) -> Iterator[None]:
+    """Without datasets' "Generating test split" bar (a task's local file read the first time) unless
+    ``progress``."""
+    from datasets.utils import logging as ds_logging  # type: ignore[import-untyped]
+
+    bars = not progress and ds_logging.is_progress_bar_enabled()
+    if bars:
+        ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
         if bars:
             ds_logging.enable_progress_bar()
 
