@@ -26,7 +26,7 @@ from llmtrain.cli import main as cli_main
 from llmtrain.config import config_from_dict
 from llmtrain.train.trainer import Trainer
 from test_parallel import base as parallel_base  # tests/ is on sys.path under pytest
-from test_parallel import launch
+from test_parallel import close, launch
 
 STEPS = 5
 NO_DROPS = {
@@ -79,10 +79,7 @@ def test_moe_and_mla_tensor_parallel_match_single_process(world, tiny_corpus, re
     assert set(results) == set(variants)
     for name, r in results.items():
         ref = reference[name.split(":")[0]]
-        for a, b in zip(r["loss"], ref["loss"], strict=True):
-            assert abs(a - b) < 1e-5, (name, r["loss"], ref["loss"])
-        for a, b in zip(r["grad_norm"], ref["grad_norm"], strict=True):
-            assert abs(a - b) <= 1e-3 * b, (name, r["grad_norm"], ref["grad_norm"])
+        close(name, r, ref)
         for a, b in zip(r["moe_aux_loss"], ref["moe_aux_loss"], strict=True):  # not multiplied by tp
             assert abs(a - b) <= 1e-5 * b, (name, r["moe_aux_loss"], ref["moe_aux_loss"])
         assert r["moe_load_max_over_mean"] == ref["moe_load_max_over_mean"], name  # the same routing

@@ -18,7 +18,7 @@ from llmtrain.config import config_from_dict
 from llmtrain.errors import ConfigError
 from llmtrain.resolve.validate import validate
 from llmtrain.train.trainer import Trainer
-from test_parallel import base, launch
+from test_parallel import base, close, launch
 
 STEPS = 5
 RESUME_STEPS = 2
@@ -77,13 +77,6 @@ def reference(tiny_corpus, tmp_path_factory) -> dict[str, dict]:
         assert all(g > 0.05 for g in r["grad_norm"])  # so clipping really acts
         out[family] = r
     return out
-
-
-def close(name: str, got: dict, ref: dict) -> None:
-    for a, b in zip(got["loss"], ref["loss"], strict=True):
-        assert abs(a - b) < 1e-5, (name, got["loss"], ref["loss"])
-    for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True):
-        assert abs(a - b) <= 1e-3 * b, (name, got["grad_norm"], ref["grad_norm"])
 
 
 def all_variants(world: int, tmp: Path) -> dict[str, dict]:
