@@ -3,7 +3,8 @@
 Each peer's own Llama model class is built from its own config API at exactly llmtrain's shape (hidden, layers,
 heads, KV heads, FFN width, vocabulary, sequence length, RoPE theta, RMSNorm eps, untied output) and driven by
 the same plain loop as the ``bare`` way (forward, ``F.cross_entropy``, backward, clip 1.0, fused AdamW) on the
-same token windows. The script asserts that every peer has llmtrain's parameter count. Choices per peer:
+same token windows; in the compiled rounds the loop's cross-entropy is compiled too (as torchtitan's trainer
+and llmtrain's ``train.compile`` do), so the ways differ in their models only. The script asserts that every peer has llmtrain's parameter count. Choices per peer:
 
 - torchtitan 0.3: ``Llama3Model`` with its fused-QKV GQA attention. Its language-model attention backends are
   flex and varlen (positions-aware, for packed documents); the bench's windows are plain causal, so the inner
@@ -265,11 +266,19 @@ def compile_model(name: str, model: nn.Module) -> nn.Module:
     return cast(nn.Module, torch.compile(model))  # litgpt, hf: the whole module
 
 
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
 def plain_step(
-    model: nn.Module, params: nn.Module, batches: list[dict], device: torch.device, amp: Any, hf: bool = False
-) -> Callable[[], None]:
-    """One training step of the plain loop over ``batches`` (cycled), the loop every reference way shares."""
+    model: nn.Module, params: nn.Module, batches: list[dict], device: torch.device, amp: Any, hf: bool = False,
+    compile_loss: bool = False,
+) -> Callable[[], None]:  # fmt: skip
+    """One training step of the plain loop over ``batches`` (cycled), the loop every reference way shares;
+    ``compile_loss``: the cross-entropy under torch.compile too (compiled rounds: torchtitan's trainer compiles
+    its loss by default, ``compile.components = ["model", "loss"]``, and so does llmtrain's ``train.compile``)."""
     opt = torch.optim.AdamW(params.parameters(), lr=1e-3, fused=True)
+    loss_fn = cast(Callable[..., torch.Tensor], torch.compile(_token_loss)) if compile_loss else _token_loss
     i = [0]
 
     def step() -> None:
@@ -278,7 +287,7 @@ def plain_step(
         x, y = mb["input_ids"].to(device), mb["labels"].to(device)
         with amp:
             logits = model(input_ids=x).logits if hf else model(x)
-        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        loss_fn(logits, y).backward()
         torch.nn.utils.clip_grad_norm_(params.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -148,7 +148,9 @@ def build_ways(a, names, prefix: str, tmp: Path, compile_: bool, expect: int | N
                 blocks[key] = cast(torch.nn.Module, torch.compile(block))
         elif compile_:
             runner = peers.compile_model(name, model)
-        ways[name] = peers.plain_step(runner, model, batches, dev, amp, hf=name == "hf")
+        ways[name] = peers.plain_step(
+            runner, model, batches, dev, amp, hf=name == "hf", compile_loss=compile_
+        )
     for name, n in counts.items():
         assert n == expect, f"{name}: {n:,} parameters, llmtrain {expect:,}: not the same shape"
     print(

@@ -41,6 +41,8 @@ def variants(world: int, ckpt_dir: str) -> dict[str, dict]:
             "pp2_zero_bubble": {"parallel": {**PP, "schedule": "zero_bubble", "virtual_stages": 2}},
             "pp2_zbv": {"parallel": {**PP, "schedule": "zbv", "virtual_stages": 2}, "validate": True},
             "pp2_uneven_1f1b": {"parallel": {**PP, "pipeline_layers": [1, 3]}},
+            # train.compile under PP: compiled blocks on each stage, the compiled loss on the last one
+            "pp2_1f1b_compile": {"parallel": {**PP, "schedule": "1f1b"}, "train": {"compile": True}},
             "pp2_1f1b": {  # also checkpointed: resumed in a single process below
                 "parallel": {**PP, "schedule": "1f1b"},
                 "checkpoint": {"save_dir": ckpt_dir},

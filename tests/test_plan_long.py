@@ -16,7 +16,14 @@ from llmtrain.config.schema import ModelConfig
 from llmtrain.errors import ConfigError
 from llmtrain.models import resolve_model_args
 from llmtrain.plan import Layout, estimate_memory, estimate_step_time, load_catalog, parse_cluster
-from llmtrain.plan.long_context import cp_comm_bytes, cp_layer_bytes, logits_bytes, loss_chunk
+from llmtrain.plan.long_context import (
+    cp_additive_mask_bytes,
+    cp_bool_mask_bytes,
+    cp_comm_bytes,
+    cp_layer_bytes,
+    logits_bytes,
+    loss_chunk,
+)
 from llmtrain.plan.memory import block_input_bytes, layer_activation_bytes, layer_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,26 +46,42 @@ def test_cp_memory_per_rank_against_cp1():
     for cp, est in by_cp.items():
         d = est.details
         # the rank's own tokens: seq / cp of them, the per-token count unchanged
-        local = (
-            layer_bytes(args, replace(base, cp=cp)) - d["cp_gathered_kv_per_layer"] - d["cp_mask_per_layer"]
-        )
+        local = layer_bytes(args, replace(base, cp=cp)) - d["cp_gathered_kv_per_layer"]
         assert local == pytest.approx(one.details["activations_per_layer"] / cp)
         # SDPA keeps the gathered K and V (bf16): (cp - 1) / cp of the whole sequence's beyond the local ones
         assert d["cp_gathered_kv_per_layer"] == 2 * 2 * s * kv * (cp - 1) / cp
-        # the additive mask SDPA saves per layer (bf16, no batch dim without document masks), the bool mask
-        assert d["cp_mask_per_layer"] == 2 * (s / cp) * s and d["cp_mask"] == (s / cp) * s
+        # no mask of its own per layer (no ALiBi); one additive mask per micro-batch (bf16, no batch dim without
+        # document masks) shared by all layers, and the bool mask
+        assert d["cp_alibi_bias_per_layer"] == 0
+        assert d["cp_additive_mask"] == 2 * (s / cp) * s and d["cp_mask"] == (s / cp) * s
         # FSDP shards over dp_shard x cp: the same 8 devices, the same state bytes
         assert est.parameters == pytest.approx(one.parameters) and est.gradients == pytest.approx(
             one.gradients
         )
         assert est.activations == pytest.approx(32 * d["activations_per_layer"] + s / cp * 4 * 4096)
     assert by_cp[2].details["cp_gathered_kv_per_layer"] == 33554432 * 2  # 64 MiB at cp 2
-    assert by_cp[4].details["cp_mask_per_layer"] == by_cp[2].details["cp_mask_per_layer"] / 2  # 1 / cp
-    assert by_cp[2].details["cp_mask_per_layer"] == GIB  # 16k x 32k x 2 bytes
+    assert by_cp[4].details["cp_additive_mask"] == by_cp[2].details["cp_additive_mask"] / 2  # 1 / cp
+    assert by_cp[2].details["cp_additive_mask"] == GIB  # 16k x 32k x 2 bytes, once (not x 32 layers)
     doc = estimate_memory(args, replace(base, cp=2, dp_shard=4, micro_batch_size=2, document_mask=True))
-    assert doc.details["cp_mask_per_layer"] == 2 * 2 * (s / 2) * s  # a batch dimension with document masks
+    assert doc.details["cp_additive_mask"] == 2 * 2 * (s / 2) * s  # a batch dimension with document masks
+    gpipe = estimate_memory(args, replace(base, cp=2, dp_shard=2, pp=2, grad_accum=4, schedule="gpipe"))
+    assert gpipe.details["cp_additive_mask"] == 4 * GIB  # one per micro-batch in flight
+    assert gpipe.details["cp_mask"] == GIB / 2  # the boolean mask: the current micro-batch's only
     mega = estimate_memory(args, replace(base, cp=2, dp_shard=4, engine="megatron"))
     assert mega.details["cp_gathered_kv_per_layer"] == mega.details["cp_mask"] == 0  # ring attention
+    assert mega.details["cp_additive_mask"] == 0
+
+
+def test_cp_mask_terms_with_a_window_and_with_alibi():
+    base = Layout(cp=2, dp_shard=4, seq_length=8192)
+    window = resolve_model_args(ModelConfig(flavor="8b", seq_length=8192, sliding_window=4096))
+    assert cp_additive_mask_bytes(window, base) == 2 * 2 * 4096 * 8192  # the windowed twin too
+    assert cp_bool_mask_bytes(window, base) == 2 * 4096 * 8192
+    alibi = resolve_model_args(ModelConfig(model_type="baichuan2", flavor="debug_alibi", seq_length=8192))
+    assert alibi.position_embedding == "alibi"
+    # ALiBi builds its bias per layer (a head dimension): no shared additive mask
+    assert cp_additive_mask_bytes(alibi, base) == 0
+    assert cp_layer_bytes(alibi, base)["mask"] == 2 * alibi.num_heads * 4096 * 8192
 
 
 def test_cp_comm_bytes_and_exposed_time_by_hand():
@@ -82,63 +105,129 @@ def test_cp_comm_bytes_and_exposed_time_by_hand():
     assert ring.cp_exposed < t.cp_exposed  # the ring hides behind attention
 
 
-def test_cp_saved_tensors_match_the_planner():
-    """What SDPA keeps under the trainer's CP, counted with saved-tensor hooks on one process: the model's
-    attention layers get a stand-in for ``ContextParallel`` whose gather concatenates cp copies (no saved
-    tensors, like ``_GatherSeq``) and whose mask is the local queries x all keys boolean mask. The extra bytes of
-    a block over the same tokens without CP are the planner's gathered K/V + additive mask, to the byte."""
+def _debug_model(**model):
     from llmtrain.models import build_model
-    from llmtrain.models.common.attention import Attention, AttentionMask
+
+    args = resolve_model_args(ModelConfig(model_type="llama3", flavor="debug", **model))
+    net = build_model(args)
+    net.to_empty(device="cpu")
+    net.init_weights(seed=0)
+    return args, net
+
+
+def _saved_by_layer(model, tokens: torch.Tensor) -> dict[int, tuple[int, set[str]]]:
+    """Every storage autograd saves in a bf16-autocast forward of ``model`` (parameters aside): its bytes and
+    the blocks (``layers.N``) that saved it, deduplicated by ``untyped_storage().data_ptr()``."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    current, seen = [""], {}
+    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=name: current.__setitem__(0, n))
+             for name, m in model.named_modules()]  # fmt: skip
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            nbytes, blocks = seen.setdefault(ptr, (t.untyped_storage().nbytes(), set()))
+            blocks.add(".".join(current[0].split(".")[:2]))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_cp_saved_tensors_match_the_planner():
+    """What SDPA keeps under the trainer's CP, counted with saved-tensor hooks on one process: the model gets a
+    ``ContextParallel`` (its own masks, from ``shard``) whose gather concatenates cp copies (no saved tensors,
+    like ``_GatherSeq``). A block saves no mask of its own: its extra bytes over the same tokens without CP are
+    the planner's gathered K/V, to the byte; over the whole 2-layer forward the one additive mask every layer
+    saved is counted once (storages deduplicated) and is the planner's per-micro-batch term, to the byte."""
+    from llmtrain.distributed.context_parallel import ContextParallel
+    from llmtrain.models.common.attention import Attention
 
     cp, local = 4, 32
-    args = resolve_model_args(ModelConfig(model_type="llama3", flavor="debug", seq_length=cp * local))
+    args, model = _debug_model(seq_length=cp * local)
+    assert args.num_layers >= 2
 
-    class StandIn:
-        def __init__(self) -> None:
-            q = torch.arange(local)
-            allowed = (torch.arange(cp * local)[None, :] <= q[:, None])[None, None]
-            self._mask = AttentionMask(is_causal=False, allowed=allowed)
-
+    class OneProcessCP(ContextParallel):
         def gather_kv(self, k, v):
             return torch.cat([k] * cp, 2), torch.cat([v] * cp, 2)
 
-        def mask(self, sliding):
-            return self._mask
-
-    def saved_in_block(model) -> int:
-        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        current, seen = [""], {}
-        hooks = [m.register_forward_pre_hook(lambda mod, inp, n=name: current.__setitem__(0, n))
-                 for name, m in model.named_modules()]  # fmt: skip
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in own and current[0].startswith("layers.1.") and ptr not in seen:
-                seen[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        tokens = torch.randint(0, args.vocab_size, (1, local), generator=torch.Generator().manual_seed(0))
-        with (
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-            torch.autocast("cpu", torch.bfloat16),
-        ):
-            model(tokens)
-        for h in hooks:
-            h.remove()
-        return sum(seen.values())
-
-    model = build_model(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    plain = saved_in_block(model)
+    ids = torch.randint(0, args.vocab_size, (1, cp * local), generator=torch.Generator().manual_seed(0))
+    stand_in = OneProcessCP(None, cp, 0, alibi=False, window=0)
+    tokens = stand_in.shard({"input_ids": ids, "labels": ids, "position_ids": ids}, document_mask=False)
+    plain = _saved_by_layer(model, tokens["input_ids"])
+    model.context_parallel = stand_in
     for m in model.modules():
         if isinstance(m, Attention):
-            m.context_parallel = StandIn()
-    with_cp = saved_in_block(model)
-    terms = cp_layer_bytes(args, Layout(cp=cp, seq_length=cp * local))
+            m.context_parallel = stand_in
+    with_cp = _saved_by_layer(model, tokens["input_ids"])
+
+    def own(seen, block: str) -> int:
+        return sum(n for n, blocks in seen.values() if blocks == {block})
+
+    lay = Layout(cp=cp, seq_length=cp * local)
+    terms, additive = cp_layer_bytes(args, lay), cp_additive_mask_bytes(args, lay)
     kv = args.num_kv_heads * args.head_dim
-    assert terms["gathered_kv"] == 2 * 2 * local * (cp - 1) * kv and terms["mask"] == 2 * local * cp * local
-    assert with_cp - plain == terms["gathered_kv"] + terms["mask"]
+    assert terms["gathered_kv"] == 2 * 2 * local * (cp - 1) * kv and terms["mask"] == 0
+    assert additive == 2 * local * cp * local  # bf16, local queries x all keys
+    for i in range(args.num_layers):  # no mask copy of its own: only the gathered K/V
+        assert own(with_cp, f"layers.{i}") - own(plain, f"layers.{i}") == terms["gathered_kv"]
+    layers = {f"layers.{i}" for i in range(args.num_layers)}
+    shared = [n for n, blocks in with_cp.values() if blocks == layers]
+    assert shared == [additive]  # one storage, saved by every layer, counted once
+    assert not [n for n, blocks in plain.values() if len(blocks) > 1]  # plain causal: no mask tensor at all
+    total = sum(n for n, _ in with_cp.values()) - sum(n for n, _ in plain.values())
+    assert total == args.num_layers * terms["gathered_kv"] + additive
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_shared_additive_mask_gives_the_boolean_masks_numbers(monkeypatch, bf16, window):
+    """Document masks through dense SDPA: the additive mask built once per forward gives bitwise the loss and
+    gradients of the boolean mask SDPA converted per layer (the old path, forced through the dtype fallback)."""
+    import torch.nn.functional as F
+
+    from llmtrain.models.common import transformer
+
+    model_kw: dict = {"seq_length": 24}
+    if window:
+        model_kw.update(sliding_window=window, sliding_window_layers=[0])
+    args, model = _debug_model(**model_kw)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab_size, (2, 24), generator=gen)
+    docs = torch.cumsum((torch.rand(2, 24, generator=gen) < 0.2).long(), dim=1)
+    starts = torch.diff(docs, dim=1, prepend=docs[:, :1] - 1) > 0  # [B, T] first token of each document
+    pos = torch.arange(24) - torch.cummax(torch.where(starts, torch.arange(24), 0), dim=1).values
+    masks: list[torch.dtype] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*a, attn_mask=None, **kw):
+        masks.append(attn_mask.dtype if attn_mask is not None else None)
+        return sdpa(*a, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            logits = model(ids, position_ids=pos, document_ids=docs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    new_loss, new_grads = loss_and_grads()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    assert masks == [dtype] * args.num_layers  # the shared additive mask(s), in the queries' dtype
+    masks.clear()
+    monkeypatch.setattr(transformer, "query_dtype", lambda x: torch.float64)  # no layer's dtype: the fallback
+    old_loss, old_grads = loss_and_grads()
+    assert masks == [torch.bool] * args.num_layers
+    assert torch.equal(new_loss, old_loss)
+    assert new_grads.keys() == old_grads.keys() and all(
+        torch.equal(new_grads[n], old_grads[n]) for n in new_grads
+    )
 
 
 def _base_config(*overrides: str):
@@ -289,11 +378,13 @@ def test_plan_shows_cp_exposed_offload_and_fp8(capsys, monkeypatch):
     det = out["memory_detail_bytes"]
     assert (
         det["cp_gathered_kv_per_layer"] == 2 * 2 * 16384 * 1024 / 2
-        and det["cp_mask_per_layer"] == 2 * 8192 * 16384
+        and det["cp_additive_mask"] == 2 * 8192 * 16384  # once per micro-batch, not per layer
+        and det["cp_alibi_bias_per_layer"] == 0
     )
     assert cli_main(["plan", *common, "--cluster", "8xh100"]) == 0
     text = capsys.readouterr().out
     assert "CP exposed" in text and "of which CP gathered K/V, per layer" in text
+    assert "CP additive mask (one for all layers)" in text and "CP ALiBi bias" not in text
     off = _plan_json(capsys, *common[:-1], "recompute.mode=offload", "--cluster", "8xh100")
     assert off["step_time_parts_s"]["offload"] > 0 and off["memory_detail_bytes"]["activations_offloaded"] > 0
     fp8 = _plan_json(
@@ -314,9 +405,12 @@ def test_check_prints_the_planned_cp_and_offload_lines():
                        "train.micro_batch_size=1", "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
                        "parallel.context_parallel=2", "parallel.data_parallel=1", "recompute.mode=offload")  # fmt: skip
     rows = dict(long_context_lines(cfg, derive(cfg, 2)))
-    # (cp - 1) / cp = 1/2 of K and V (16k tokens x 1024 x bf16 each): 32 MiB received per layer; the mask saved
-    # per layer 8k x 16k x bf16
+    # (cp - 1) / cp = 1/2 of K and V (16k tokens x 1024 x bf16 each): 32 MiB received per layer; the additive
+    # mask 8k x 16k x bf16 once per micro-batch, shared by the layers
     assert "per layer 32 MiB received forward" in rows["context parallel"]
-    assert "gathered K/V 0.0312 GiB + additive mask 0.25 GiB" in rows["context parallel"]
+    assert (
+        "saved per layer: gathered K/V 0.0312 GiB; per micro-batch: additive mask 0.25 GiB"
+        in rows["context parallel"]
+    )
     assert rows["recompute"].startswith("offload") and "GiB per micro-batch to host" in rows["recompute"]
     assert "chunked, 2048 tokens per chunk" in rows["loss logits"]

@@ -130,6 +130,7 @@ def long_context_lines(cfg: Config, d: Derived) -> list[tuple[str, str]]:
     gathered K/V, masks and communication, activation offload."""
     from llmtrain.plan.layout import Layout
     from llmtrain.plan.long_context import (
+        cp_additive_mask_bytes,
         cp_bool_mask_bytes,
         cp_comm_bytes,
         cp_layer_bytes,
@@ -160,8 +161,10 @@ def long_context_lines(cfg: Config, d: Derived) -> list[tuple[str, str]]:
             "context parallel",
             f"cp {dims.cp}, K/V all-gathered: per layer {fwd / 2**20:.4g} MiB received forward (all-gather) and "
             f"as much backward (reduce-scatter), exposed; saved per layer: gathered K/V "
-            f"{kv['gathered_kv'] / GIB:.3g} GiB + additive mask {kv['mask'] / GIB:.3g} GiB; boolean mask "
-            f"{cp_bool_mask_bytes(a, lay) / GIB:.3g} GiB per micro-batch",
+            f"{kv['gathered_kv'] / GIB:.3g} GiB"
+            + (f" + ALiBi bias {kv['mask'] / GIB:.3g} GiB" if kv["mask"] else "")
+            + f"; per micro-batch: additive mask {cp_additive_mask_bytes(a, lay) / GIB:.3g} GiB (one tensor "
+            f"shared by all layers) + boolean mask {cp_bool_mask_bytes(a, lay) / GIB:.3g} GiB",
         ))  # fmt: skip
     if cfg.recompute.mode == "offload":
         block = layer_bytes(a, lay, moe=bool(a.num_experts))

@@ -249,7 +249,7 @@ class TrainConfig:
     eval_steps: int = 0
     """Validate every this many steps (0: only at the end)."""
     compile: bool = False
-    """Wrap the model in torch.compile."""
+    """torch.compile each block and the cross-entropy (not with tensor parallel: warning ``tp_compile``)."""
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 GEMMs of the blocks' linears (torchao; CUDA >= 8.9): none, tensorwise or rowwise (docs/precision.md)."""
 

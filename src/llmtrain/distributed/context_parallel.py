@@ -14,9 +14,17 @@ from *global* positions and document ids.
 * **Autograd**: :class:`_GatherSeq` all-gathers in forward and reduce-scatters the key/value gradients in
   backward (every rank's queries contributed to every key's gradient).
 * **RoPE / positions**: the model gets this rank's slice of the global ``position_ids`` (the packed batch's
-  per-document ones, or ``arange(T)``); the dense mask is handed to the attention layers through
-  ``Attention.context_parallel`` (models/common/attention.py), which swaps in the gathered keys/values and
-  :meth:`ContextParallel.mask`.
+  per-document ones, or ``arange(T)``); ``Attention.context_parallel`` (models/common/attention.py) swaps in the
+  gathered keys/values, and ``Transformer.forward`` hands every layer :meth:`ContextParallel.masks` in place
+  of its own.
+* **One additive mask per micro-batch**: SDPA would convert the boolean mask into an additive one in every
+  layer and autograd would save each copy (``Tq x Tk`` elements a layer: 256 MiB in bf16 at seq 16k, cp 2).
+  :meth:`ContextParallel.masks` converts it once, in the queries' dtype, and all layers pass that tensor, so
+  autograd saves it once. ``shard`` runs outside autocast (train/step.py), where that dtype is not known yet,
+  so it keeps only the boolean masks; ``Transformer.forward``, which knows the dtype (autocast's or the hidden
+  states'), calls ``masks(dtype)`` once before the layers. That builds a fresh tensor and mutates nothing, so
+  no state changes inside the blocks (compiled or not), and activation recompute replays the same tensor (a
+  block's argument).
 * **Loss**: each rank sums the token losses of its own tokens; the step divides by the global token count
   (counted on the unsplit batch, summed over data parallel) and sums the reported loss over CP too
   (train/step.py).
@@ -26,8 +34,8 @@ from *global* positions and document ids.
   FSDP's gradient average over ``dp x cp`` ranks is undone by ``grad_scale x cp``.
 
 The object is attached to the model by :func:`apply_cp` (``model.context_parallel``) and found by the train
-step with :func:`find`. It holds the current batch's masks between ``shard`` and the backward of that batch
-(activation recompute replays the same masks).
+step with :func:`find`. It holds the current micro-batch's boolean masks from ``shard`` on; the additive mask
+lives in that micro-batch's autograd graph.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.models.common.attention import Attention, AttentionMask
+from llmtrain.models.common.attention import Attention, AttentionMask, with_additive
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -85,7 +93,7 @@ class ContextParallel:
     def __init__(self, group: Any, size: int, rank: int, alibi: bool, window: int) -> None:
         self.group, self.size, self.rank = group, size, rank
         self.alibi, self.window = alibi, window
-        self._masks: dict[bool, AttentionMask] = {}
+        self._mask: AttentionMask | None = None
 
     def shard(self, mb: dict[str, torch.Tensor], document_mask: bool) -> dict[str, torch.Tensor]:
         """This rank's part of a micro-batch ``{input_ids, labels, position_ids[, document_ids]}`` [B, T]:
@@ -107,10 +115,10 @@ class ContextParallel:
             same = doc[:, q_idx][:, :, None] == doc[:, k_idx][:, None, :]  # [B, Tq, Tk]
             allowed = (same & causal[None])[:, None]  # [B, 1, Tq, Tk]
         rel = (k_idx[None, :] - q_idx[:, None]).float() if self.alibi else None
-        self._masks = {False: AttentionMask(is_causal=False, allowed=allowed, rel_pos=rel)}
+        self._mask = AttentionMask(is_causal=False, allowed=allowed, rel_pos=rel)
         if 0 < self.window < seq:
             band = (k_idx[None, :] > q_idx[:, None] - self.window)[None, None]
-            self._masks[True] = AttentionMask(is_causal=False, allowed=allowed & band, rel_pos=rel)
+            self._mask.sliding = AttentionMask(is_causal=False, allowed=allowed & band, rel_pos=rel)
         return {
             "input_ids": ids[:, q_idx],
             "labels": mb["labels"][:, q_idx],
@@ -118,8 +126,20 @@ class ContextParallel:
         }
 
     def mask(self, sliding: bool) -> AttentionMask:
-        """The current batch's mask of local queries vs gathered keys (the windowed one for sliding layers)."""
-        return self._masks.get(sliding, self._masks[False])
+        """The current batch's boolean mask of local queries vs gathered keys (the windowed one for sliding
+        layers)."""
+        assert self._mask is not None, "ContextParallel.shard builds the masks first"
+        return self._mask.sliding if sliding and self._mask.sliding is not None else self._mask
+
+    def masks(self, dtype: torch.dtype | None) -> AttentionMask:
+        """What every layer of the current micro-batch's forward gets: the boolean masks (sliding twin under
+        ``.sliding``) with their additive mask in ``dtype``, the queries' (none with ALiBi; see the module
+        docstring). A new object each call; the stored boolean masks are not touched."""
+        full, sliding = self.mask(False), self.mask(True)
+        mask = AttentionMask(is_causal=False, allowed=full.allowed, rel_pos=full.rel_pos)
+        if sliding is not full:
+            mask.sliding = AttentionMask(is_causal=False, allowed=sliding.allowed, rel_pos=sliding.rel_pos)
+        return with_additive(mask, dtype)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, heads, T / cp, hd]`` of every CP rank: ``[B, heads, T, hd]`` (gathered order)."""

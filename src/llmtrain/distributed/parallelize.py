@@ -159,6 +159,11 @@ def dp_mesh_for(dims: ParallelDims, world: DeviceMesh, zero_stage: int) -> Devic
     return world["dp_shard"]
 
 
+def compiles(cfg: Config, dims: ParallelDims) -> bool:
+    """Whether ``train.compile`` is carried out: the blocks and the loss (train/loss.py); not with TP."""
+    return bool(cfg.train.compile) and dims.tp == 1
+
+
 def parallelize(
     model: Transformer, cfg: Config, dims: ParallelDims, world: DeviceMesh | None, device_type: str
 ) -> bool:
@@ -187,7 +192,7 @@ def parallelize(
         assert world is not None
         apply_cp(model, world["cp"])
     apply_recompute(model, cfg.recompute.mode, cfg.recompute.every)
-    if cfg.train.compile and dims.tp == 1:  # with TP the blocks run eagerly (feasibility warning tp_compile)
+    if compiles(cfg, dims):  # with TP the blocks run eagerly (feasibility warning tp_compile)
         for key, block in list(model.layers.items()):
             model.layers[key] = cast(nn.Module, torch.compile(block))  # an OptimizedModule wrapping block
     if cfg.recompute.mode == "offload":  # hooks on the (compiled) blocks, names unchanged, before FSDP

@@ -245,9 +245,10 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
             ("  logits and loss" + (f" (chunked, {chunk} tokens)" if (chunk := out.get("loss_chunk_tokens"))
                                     else ""), det["logits_and_loss"]),
             ("  CP boolean mask (per micro-batch)", det.get("cp_mask", 0.0)),
-            ("other (sum of the six above)", m["other"]),
+            ("  CP additive mask (one for all layers)", det.get("cp_additive_mask", 0.0)),
+            ("other (sum of the seven above)", m["other"]),
             ("total", m["total"]), ("usable on the device", out["memory_capacity_bytes"])]  # fmt: skip
-    for name, key in (("      of which CP saved mask, per layer", "cp_mask_per_layer"),
+    for name, key in (("      of which CP ALiBi bias, per layer", "cp_alibi_bias_per_layer"),
                       ("      of which CP gathered K/V, per layer", "cp_gathered_kv_per_layer")):  # fmt: skip
         if det.get(key):
             rows.insert(4, (name, det[key]))

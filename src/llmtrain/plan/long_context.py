@@ -10,15 +10,20 @@ dense boolean mask built once per micro-batch from global positions. Counted per
   rank receives ``(cp - 1) / cp``; backward a reduce-scatter of their gradients, the same volume (again
   forward under full recompute). The trainer runs them in line, so all of it is exposed
   (:func:`cp_comm_bytes`).
-* memory (:func:`cp_layer_bytes`), what autograd saves (counted with saved-tensor hooks,
-  ``tests/test_plan_long.py``): SDPA keeps the *gathered* K and V, ``(cp - 1) / cp`` more than the local ones
-  the block count already has, ``2 a b s kv (cp - 1) / (cp t)``; and it converts the boolean mask into an
-  additive mask of the query dtype and saves that copy, per layer: ``a x b_m x (s / cp) x s`` (``b_m`` = ``b``
-  with ``model.document_mask``, else 1; ALiBi's bias has a head dimension too: x heads / t). The boolean mask
-  itself (1 byte per element, once per micro-batch) is what the trainer holds between layers.
+* memory, what autograd saves (counted with saved-tensor hooks, ``tests/test_plan_long.py``). Per layer
+  (:func:`cp_layer_bytes`): SDPA keeps the *gathered* K and V, ``(cp - 1) / cp`` more than the local ones the
+  block count already has, ``2 a b s kv (cp - 1) / (cp t)``; with ALiBi also its bias, built per layer with a
+  head dimension: ``a x b_m x heads / t x (s / cp) x s`` (``b_m`` = ``b`` with ``model.document_mask``, else
+  1). Per micro-batch (:func:`cp_additive_mask_bytes`): the additive mask (0 / -inf in the query dtype) that
+  the model builds once from the boolean one and every layer's SDPA saves, one tensor shared by all layers,
+  ``a x b_m x (s / cp) x s`` (twice with a sliding window shorter than the sequence: the windowed twin; none
+  with ALiBi), held by every micro-batch in flight; and the boolean masks themselves (1 byte per element,
+  :func:`cp_bool_mask_bytes`), which the trainer holds for the current micro-batch.
 * attention FLOPs: a dense mask makes the kernel compute every query-key block (no causal block skipping), so
   a rank runs ``(s / cp) x s`` scores per head, twice the causal half that load balancing would give a
-  causal kernel (:func:`cp_dense_keys`); the mask's traffic (convert, read forward and backward) is added.
+  causal kernel (:func:`cp_dense_keys`); the mask's traffic is added (:func:`cp_mask_traffic`): each layer
+  reads its mask forward and backward (ALiBi: also writes its bias from the boolean mask), and the shared
+  additive mask is written once per micro-batch.
 
 Engines ``megatron`` / ``nemo`` keep the ring model (Transformer Engine's P2P ring: (cp - 1) K/V exchanges per
 layer forward and twice backward, hidden behind the attention of the same step, causal work only).
@@ -58,24 +63,60 @@ def _kv_width(args: TransformerArgs) -> int:
     return args.num_kv_heads * args.head_dim
 
 
+def _alibi(args: TransformerArgs) -> bool:
+    return args.position_embedding == "alibi"
+
+
+def _mask_elements(lay: Layout) -> float:
+    """Elements of one CP mask, local queries x all keys: ``b_m x (s / cp) x s`` (a batch dim with document
+    masks only)."""
+    rows = lay.micro_batch_size if lay.document_mask else 1
+    return rows * (lay.seq_length / lay.cp) * lay.seq_length
+
+
+def _mask_count(args: TransformerArgs, lay: Layout) -> int:
+    """The full mask and, with a sliding window shorter than the sequence, its windowed twin."""
+    return 2 if 0 < (getattr(args, "sliding_window", 0) or 0) < lay.seq_length else 1
+
+
 def cp_layer_bytes(args: TransformerArgs, lay: Layout) -> dict[str, float]:
     """Bytes one attention layer saves under the trainer's CP beyond the block's per-token count
-    (``gathered_kv``, ``mask``; see the module docstring); zeros without it."""
+    (``gathered_kv``; ``mask``: ALiBi's per-layer bias, 0 otherwise, the additive mask being shared:
+    :func:`cp_additive_mask_bytes`; see the module docstring); zeros without it."""
     if not trainer_cp(lay):
         return {"gathered_kv": 0.0, "mask": 0.0}
     a, b, s, cp, t = lay.act_bytes, lay.micro_batch_size, lay.seq_length, lay.cp, lay.tp
     gathered = 2 * a * b * s * _kv_width(args) * (cp - 1) / (cp * t)
-    rows = (b if lay.document_mask else 1) * (args.num_heads / t if args.position_embedding == "alibi" else 1)
-    return {"gathered_kv": gathered, "mask": a * rows * (s / cp) * s}
+    bias = a * args.num_heads / t * _mask_elements(lay) if _alibi(args) else 0.0
+    return {"gathered_kv": gathered, "mask": bias}
+
+
+def cp_additive_mask_bytes(args: TransformerArgs, lay: Layout) -> float:
+    """The additive mask(s) one micro-batch's forward builds once and all its layers' SDPA save (none with
+    ALiBi, whose bias is per layer)."""
+    if not trainer_cp(lay) or _alibi(args):
+        return 0.0
+    return lay.act_bytes * _mask_count(args, lay) * _mask_elements(lay)
 
 
 def cp_bool_mask_bytes(args: TransformerArgs, lay: Layout) -> float:
     """The boolean mask (and its sliding-window twin) the trainer holds for the current micro-batch."""
     if not trainer_cp(lay):
         return 0.0
-    masks = 2 if 0 < (getattr(args, "sliding_window", 0) or 0) < lay.seq_length else 1
-    rows = masks * (lay.micro_batch_size if lay.document_mask else 1)
-    return rows * (lay.seq_length / lay.cp) * lay.seq_length
+    return _mask_count(args, lay) * _mask_elements(lay)
+
+
+def cp_mask_traffic(args: TransformerArgs, lay: Layout) -> tuple[float, float]:
+    """(per layer, per micro-batch) bytes of mask memory traffic under the trainer's CP: a layer reads its
+    mask forward and backward (ALiBi: writes its bias from the boolean mask first); the shared additive mask
+    is written once per micro-batch from the boolean one."""
+    if not trainer_cp(lay):
+        return 0.0, 0.0
+    bias = cp_layer_bytes(args, lay)["mask"]
+    if bias:
+        return bias / lay.act_bytes + 3 * bias, 0.0
+    shared = cp_additive_mask_bytes(args, lay)
+    return 2 * shared / _mask_count(args, lay), cp_bool_mask_bytes(args, lay) + shared
 
 
 def cp_comm_bytes(args: TransformerArgs, lay: Layout) -> tuple[float, float]:
@@ -120,6 +161,6 @@ def offload_seconds(dev: Device, saved_bytes: float) -> float:
 
 
 __all__ = [
-    "cp_bool_mask_bytes", "cp_comm_bytes", "cp_dense_keys", "cp_layer_bytes", "logits_bytes", "loss_chunk",
-    "loss_recompute_fraction", "offload_seconds", "trainer_cp",
+    "cp_additive_mask_bytes", "cp_bool_mask_bytes", "cp_comm_bytes", "cp_dense_keys", "cp_layer_bytes",
+    "cp_mask_traffic", "logits_bytes", "loss_chunk", "loss_recompute_fraction", "offload_seconds", "trainer_cp",
 ]  # fmt: skip

@@ -54,7 +54,8 @@ gpipe M, 1f1b min(pp - r, M), interleaved / zero-bubble ``min(M v, 2 (pp - r - 1
 The head rank adds the logits of one micro-batch (llmtrain: the full vocabulary, gathered; megatron: the
 vocabulary-parallel shard): bf16 logits + fp32 log-softmax + fp32 gradient; under the chunked loss
 (``train.loss_chunk_tokens``, the trainer's own rule) ``min(chunk, tokens)`` tokens' worth. Context parallel as
-the trainer runs it adds each layer's gathered K/V and saved additive mask (:func:`layer_bytes`), and
+the trainer runs it adds each layer's gathered K/V (:func:`layer_bytes`; ALiBi: its bias too), per micro-batch
+in flight the additive mask all layers share and, once, the boolean mask (``details``), and
 ``recompute: offload`` moves the saved activations to ``host_bytes``, one block's worth staying on the device:
 :mod:`~llmtrain.plan.long_context`.
 """
@@ -75,7 +76,12 @@ from llmtrain.plan.layout import (
     rank_params,
     rank_shapes,
 )
-from llmtrain.plan.long_context import cp_bool_mask_bytes, cp_layer_bytes, logits_bytes
+from llmtrain.plan.long_context import (
+    cp_additive_mask_bytes,
+    cp_bool_mask_bytes,
+    cp_layer_bytes,
+    logits_bytes,
+)
 
 MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 
@@ -151,7 +157,8 @@ def block_input_bytes(lay: Layout, hidden: int) -> float:
 
 def layer_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
     """Bytes one block saves for one micro-batch: the per-token count x its ``micro-batch x seq / cp`` tokens,
-    plus context parallel's gathered K/V and additive mask (:func:`~llmtrain.plan.long_context.cp_layer_bytes`)."""
+    plus context parallel's gathered K/V (and ALiBi bias: :func:`~llmtrain.plan.long_context.cp_layer_bytes`);
+    the additive mask all layers share is a per-micro-batch term (``cp_additive_mask`` of :func:`estimate_memory`)."""
     tokens = lay.micro_batch_size * lay.seq_length / lay.cp
     return tokens * layer_activation_bytes(args, lay, moe) + sum(cp_layer_bytes(args, lay).values())
 
@@ -278,6 +285,7 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         "moe_dispatch_buffers": dispatch,
         "logits_and_loss": logits,
         "cp_mask": cp_bool_mask_bytes(args, lay),
+        "cp_additive_mask": cp_additive_mask_bytes(args, lay) * n_flight,  # one per micro-batch in flight
     }
     cp_terms = cp_layer_bytes(args, lay)
     return MemoryEstimate(
@@ -291,7 +299,7 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         details={**details, "parameters_per_device": dense / lay.shard_degree + expert / lay.expert_shard_degree,
                  "expert_parameters_per_device": expert / lay.expert_shard_degree,
                  "activations_per_layer": dense_layer, "activations_per_moe_layer": moe_layer if args.num_experts else 0.0,
-                 "cp_gathered_kv_per_layer": cp_terms["gathered_kv"], "cp_mask_per_layer": cp_terms["mask"],
+                 "cp_gathered_kv_per_layer": cp_terms["gathered_kv"], "cp_alibi_bias_per_layer": cp_terms["mask"],
                  "activations_offloaded": offloaded},
         host_bytes=host + offloaded,
     )  # fmt: skip

@@ -27,8 +27,9 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
 * **CP**, engine ``llmtrain`` (the trainer, :mod:`~llmtrain.plan.long_context`): per layer forward an
   all-gather of K and of V (``(cp - 1) / cp`` of ``b s kv / t`` elements each), backward a reduce-scatter of
   their gradients (the same volume; the forward again under full recompute), exposed (run in line); the dense
-  mask's kernel computes all ``seq`` keys of each local query (no causal block skipping) and the additive
-  mask's traffic is element-wise work. Engines ``megatron`` / ``nemo``: ring attention, (cp - 1) K/V exchanges
+  mask's kernel computes all ``seq`` keys of each local query (no causal block skipping) and the mask's
+  traffic (each layer reads the shared additive mask forward and backward, built once per micro-batch) is
+  element-wise work. Engines ``megatron`` / ``nemo``: ring attention, (cp - 1) K/V exchanges
   per layer forward, twice backward, hidden behind the attention compute of the same ring step.
 * **FP8** (``train.fp8``): the blocks' linear GEMMs at the device's FP8 peak (:mod:`~llmtrain.plan.gemm`).
 * **Chunked loss**: one more forward of the output projection (the chunks' logits are recomputed in backward).
@@ -65,7 +66,7 @@ from llmtrain.plan.layout import Layout, RankShape, rank_params, rank_shapes
 from llmtrain.plan.long_context import (
     cp_comm_bytes,
     cp_dense_keys,
-    cp_layer_bytes,
+    cp_mask_traffic,
     loss_recompute_fraction,
     offload_seconds,
     trainer_cp,
@@ -201,15 +202,15 @@ def _rank_time(
     keys = cp_dense_keys(lay) if trainer_cp(lay) else _mean_keys(args, lay.seq_length)
     attn_flops = 14 * keys * tokens * args.num_heads * width / t
     attn_layer = attn_flops / (ceiling * eff.attention_ratio)
-    if trainer_cp(lay):  # the additive mask: converted (bool read, a written), read forward and backward
-        mask = cp_layer_bytes(args, lay)["mask"]
-        attn_layer += (mask / a + 3 * mask) / (dev.memory_bw_gbs * 1e9)
+    mask_layer, mask_once = cp_mask_traffic(args, lay)  # read by each layer; built once per micro-batch
+    attn_layer += mask_layer / (dev.memory_bw_gbs * 1e9)
     c_h, c_i = eff.fused_elementwise if fused else eff.eager_elementwise
     dense_bytes = a * (c_h * h + c_i * args.intermediate_size) / t * tokens
     k, hm = args.top_k, args.moe_hidden_size
     moe_bytes = a * (c_h * h + c_i * (k + args.shared_experts) * hm + eff.moe_permute * k * h) / t * tokens
     elem = (shape.dense_layers * dense_bytes + shape.moe_layers * moe_bytes) / (dev.memory_bw_gbs * 1e9)
     compute = (gemm_layers + shape.layers * attn_layer + elem) * (1 + rc / 3)
+    compute += mask_once / (dev.memory_bw_gbs * 1e9)
     if shape.head:
         compute += (1 + loss_recompute_fraction(args, lay)) * head_gemm_time(args, lay, dev, tokens, eff.gemm)
         compute += (

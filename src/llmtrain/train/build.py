@@ -27,7 +27,7 @@ from llmtrain.config.schema import Config
 from llmtrain.data.describe import DatasetInfo, describe_dataset
 from llmtrain.data.loader import BatchIterator, build_datasets
 from llmtrain.distributed.device import init_distributed, resolve_device
-from llmtrain.distributed.parallelize import parallelize
+from llmtrain.distributed.parallelize import compiles, parallelize
 from llmtrain.models import Transformer, build_model
 from llmtrain.models.common.moe import MoEStepStats
 from llmtrain.resolve.run import ResolvedRun, resolve_run
@@ -123,7 +123,7 @@ def _build_parts(
     # Model: built on meta, parallelized from outside, materialized on the device, seeded init.
     layout_cfg = recompute_superset(cfg, run.stages)  # stages that switch recompute: every block wrapped once
     model = build_model(d.model_args, device="meta")
-    loss = TokenLoss(cfg.train.label_smoothing)
+    loss = TokenLoss(cfg.train.label_smoothing, compiled=compiles(layout_cfg, dims))
     pipeline = None  # pipeline parallel: the model is this rank's pruned model (distributed/pipeline.py)
     if dims.pp > 1:
         from llmtrain.distributed.pipeline import PipelineRunner

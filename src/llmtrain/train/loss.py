@@ -9,6 +9,11 @@ recomputes that chunk's logits, so forward and backward each hold one chunk's lo
 one more head matmul per token (the recompute). The head is called as a module, so a Baichuan ``NormHead``,
 tied embeddings (gradients of both uses add up in the shared weight) and FSDP's root wrapping work unchanged.
 
+Under ``train.compile`` (``compiled=True``, the rule of distributed/parallelize.py: not with tensor parallel) the
+cross-entropy itself runs as one compiled function, :func:`token_cross_entropy` under ``torch.compile``: the
+fp32 cast, log-softmax and NLL fuse into one kernel forward and one backward (eager runs five passes over the
+``[tokens, vocab]`` logits). Same result up to float rounding (tests/test_loss_compile.py).
+
 ``train.loss_chunk_tokens``: 0 = off, N > 0 = chunks of N tokens, None (default) = automatic, i.e.
 :data:`AUTO_CHUNK_TOKENS` when the vocabulary has at least :data:`AUTO_MIN_VOCAB` entries and the layout has
 neither tensor nor pipeline parallelism (both compute the loss elsewhere: TP's head returns replicated
@@ -17,6 +22,8 @@ with either is refused by resolve/validate.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,18 +41,39 @@ def resolve_loss_chunk(setting: int | None, vocab_size: int, tp: int = 1, pp: in
     return int(setting)
 
 
-def _chunk_loss(
-    h: torch.Tensor, labels: torch.Tensor, head: nn.Module, label_smoothing: float
+def token_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
 ) -> torch.Tensor:
-    logits = head(h).float()  # [chunk, vocab], freed when the chunk is done
+    """Summed fp32 cross-entropy of ``logits [..., vocab]`` against ``labels [...]`` (ignore index -100)."""
     return F.cross_entropy(
-        logits, labels, reduction="sum", ignore_index=-100, label_smoothing=label_smoothing
-    )
+        logits.float().flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=-100,
+        label_smoothing=label_smoothing,
+    )  # fmt: skip
+
+
+_COMPILED: list[Callable[..., torch.Tensor]] = []  # torch.compile(token_cross_entropy), made on first use
+
+
+def cross_entropy_fn(compiled: bool) -> Callable[..., torch.Tensor]:
+    """:func:`token_cross_entropy`, or its one compiled instance (shared, so its graphs are made once)."""
+    if not compiled:
+        return token_cross_entropy
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(token_cross_entropy))
+    return _COMPILED[0]
+
+
+def _chunk_loss(
+    h: torch.Tensor, labels: torch.Tensor, head: nn.Module, label_smoothing: float, compiled: bool
+) -> torch.Tensor:
+    logits = head(h)  # [chunk, vocab], freed when the chunk is done
+    return cross_entropy_fn(compiled)(logits, labels, label_smoothing)
 
 
 def chunked_head_loss(
-    h: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk_tokens: int, label_smoothing: float = 0.0
-) -> torch.Tensor:
+    h: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk_tokens: int, label_smoothing: float = 0.0,
+    compiled: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Summed fp32 cross-entropy of ``head(h)`` against ``labels`` (``h [B, T, dim]``, ``labels [B, T]``),
     ``chunk_tokens`` tokens at a time; equal to ``TokenLoss()(head(h), labels)`` up to summation order."""
     if chunk_tokens <= 0:
@@ -60,6 +88,7 @@ def chunked_head_loss(
             flat_labels[start:stop],
             head,
             label_smoothing,
+            compiled,
             use_reentrant=False,
             preserve_rng_state=False,
         )
@@ -71,8 +100,8 @@ class HeadLoss:
     """The callable a :class:`~llmtrain.models.Transformer` forward takes as ``head_loss``: it gets the final
     hidden states, the output module and the labels, and returns the summed loss instead of logits."""
 
-    def __init__(self, chunk_tokens: int, label_smoothing: float = 0.0) -> None:
-        self.chunk_tokens, self.label_smoothing = chunk_tokens, label_smoothing
+    def __init__(self, chunk_tokens: int, label_smoothing: float = 0.0, compiled: bool = False) -> None:
+        self.chunk_tokens, self.label_smoothing, self.compiled = chunk_tokens, label_smoothing, compiled
 
     def __call__(self, h: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-        return chunked_head_loss(h, head, labels, self.chunk_tokens, self.label_smoothing)
+        return chunked_head_loss(h, head, labels, self.chunk_tokens, self.label_smoothing, self.compiled)

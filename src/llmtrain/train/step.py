@@ -27,14 +27,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from llmtrain.config.schema import Config
 from llmtrain.data.loader import BatchIterator
 from llmtrain.distributed import context_parallel, float8, grad_sync
 from llmtrain.resolve.derived import Derived
 from llmtrain.train.fault import FaultInjector
-from llmtrain.train.loss import HeadLoss, resolve_loss_chunk
+from llmtrain.train.loss import HeadLoss, cross_entropy_fn, resolve_loss_chunk
 from llmtrain.train.precision import LossScaler, autocast, grad_norm_
 from llmtrain.train.timing import StepTimer
 
@@ -45,18 +44,13 @@ class TokenLoss:
     resolved, train/loss.py) makes :meth:`TrainStep.forward_loss` compute it inside the model's forward in
     token chunks, never holding ``[tokens, vocab]`` logits."""
 
-    def __init__(self, label_smoothing: float = 0.0, chunk_tokens: int = 0):
+    def __init__(self, label_smoothing: float = 0.0, chunk_tokens: int = 0, compiled: bool = False):
         self.label_smoothing = float(label_smoothing)
         self.chunk_tokens = int(chunk_tokens)
+        self.compiled = compiled  # train.compile: the cross-entropy runs compiled (train/loss.py)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(
-            logits.float().flatten(0, 1),
-            labels.flatten(),
-            reduction="sum",
-            ignore_index=-100,
-            label_smoothing=self.label_smoothing,
-        )
+        return cross_entropy_fn(self.compiled)(logits, labels, self.label_smoothing)
 
 
 class TrainStep:
@@ -107,7 +101,7 @@ class TrainStep:
         self.loss_fn.chunk_tokens = chunk
         with autocast(cfg.train.precision, self.device.type):
             if chunk:  # the model runs the chunked loss on its final hidden states (train/loss.py)
-                head_loss = HeadLoss(chunk, self.loss_fn.label_smoothing)
+                head_loss = HeadLoss(chunk, self.loss_fn.label_smoothing, self.loss_fn.compiled)
                 return self.model(
                     mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids, labels=mb["labels"],
                     head_loss=head_loss,

@@ -16,6 +16,16 @@ block masks, ALiBi a score mod, and nothing below applies; the dense SDPA masks 
   with ``sliding=True`` use it. While every key is inside the window (``past + T <= w``) it is the plain
   causal mask itself, so short sequences keep the fused causal kernels. With a KV cache the cache keeps every
   position and the band hides the old ones (decoding one token past the window gets a ``[1, 1, 1, Tk]`` mask).
+* one additive mask per forward: SDPA turns a boolean mask into an additive one (0 where allowed, -inf
+  where not, the query dtype) on every call, and autograd saves that copy, so each layer would keep its own
+  ``Tq x Tk`` tensor. :func:`build_masks` builds it once (``AttentionMask.additive``, and the sliding twin's),
+  in the dtype the queries will have (:func:`query_dtype`: autocast's, else the hidden states'), and every
+  layer passes that same tensor (:func:`sdpa_mask`), so autograd saves one tensor shared by all layers. The
+  numbers are SDPA's own conversion, so bitwise the same. It is built by the caller of the blocks
+  (``Transformer.forward``; under context parallel ``ContextParallel.masks``), never inside a block, which
+  ``torch.compile`` may wrap. A mask of another dtype than the queries (an eval without the autocast it was
+  built under) falls back to the boolean mask, converted by SDPA per call. ALiBi keeps its per-layer bias
+  (it has a head dimension), flex its block masks.
 
 The attention never trusts ``args.num_heads`` at run time: it infers the local number of query and key/value
 heads from the projected shapes, so a tensor-parallel plan that shards ``wq/wk/wv`` column-wise (and ``wo``
@@ -50,6 +60,8 @@ class AttentionMask:
     """Boolean ``[B or 1, 1, Tq, Tk]``; True where query i may attend to key j."""
     rel_pos: torch.Tensor | None = None
     """``[Tq, Tk]`` fp32 key index minus query index (ALiBi only)."""
+    additive: torch.Tensor | None = None
+    """``allowed`` as SDPA's additive mask (0 / -inf, the queries' dtype), one tensor for every layer."""
     sliding: AttentionMask | None = None
     """The same mask restricted to the sliding window (None: the model has no window)."""
     flex: FlexMask | None = None
@@ -86,6 +98,35 @@ def build_attention_mask(
     return AttentionMask(is_causal=is_causal, allowed=allowed, rel_pos=rel_pos)
 
 
+def query_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the attention's queries get from hidden states ``x``: autocast's when it is on for ``x``'s
+    device (the projections run in it), else ``x``'s own (the weights')."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def with_additive(mask: AttentionMask, dtype: torch.dtype | None) -> AttentionMask:
+    """``mask`` (and its sliding twin) with ``additive`` set: SDPA's conversion of ``allowed`` in ``dtype``,
+    ``zeros.masked_fill(~allowed, -inf)``. Nothing without a boolean mask, with ALiBi (its bias is built per
+    layer) or without a ``dtype``."""
+    if dtype is not None and mask.allowed is not None and mask.rel_pos is None:
+        zeros = torch.zeros(mask.allowed.shape, dtype=dtype, device=mask.allowed.device)
+        mask.additive = zeros.masked_fill_(~mask.allowed, float("-inf"))
+    if mask.sliding is not None:
+        with_additive(mask.sliding, dtype)
+    return mask
+
+
+def sdpa_mask(mask: AttentionMask, dtype: torch.dtype) -> torch.Tensor | None:
+    """SDPA's ``attn_mask`` for queries of ``dtype``: the shared additive mask, or (another dtype, the fallback)
+    the boolean one, which SDPA converts on this call."""
+    if mask.additive is not None and mask.additive.dtype == dtype:
+        return mask.additive
+    return mask.allowed
+
+
 def build_masks(
     q_len: int,
     past_len: int,
@@ -95,10 +136,12 @@ def build_masks(
     window: int = 0,
     impl: str = "sdpa",
     q_positions: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> AttentionMask:
     """Every mask of one forward (full and, with a ``window``, sliding) for attention ``impl`` = ``model.attention``
     (auto, sdpa, flex: :func:`~llmtrain.models.common.flex.choose_attention`). Flex masks are block masks over
-    ``past_len + q_len`` keys; ``q_positions`` (flex only) places the queries among them (context parallel)."""
+    ``past_len + q_len`` keys; ``q_positions`` (flex only) places the queries among them (context parallel).
+    With ``dtype`` (the queries', :func:`query_dtype`) dense masks also get their shared additive mask."""
     k_len = past_len + q_len
     if choose_attention(impl, document_ids, past_len, device) == "flex":
         mask = AttentionMask(
@@ -111,7 +154,7 @@ def build_masks(
     mask = build_attention_mask(q_len, past_len, document_ids, alibi, device)
     if 0 < window < k_len:  # else every key is inside the window: the full mask is the same
         mask.sliding = build_attention_mask(q_len, past_len, document_ids, alibi, device, window)
-    return mask
+    return with_additive(mask, dtype)
 
 
 class Attention(nn.Module):
@@ -132,7 +175,7 @@ class Attention(nn.Module):
         self.alibi = args.position_embedding == "alibi"
         self.num_heads_total = args.num_heads
         self.alibi_heads: tuple[int, int] = (0, args.num_heads)  # query heads held here; a TP plan narrows it
-        self.context_parallel: Any = None  # distributed/context_parallel.py sets it: gathered K/V, its mask
+        self.context_parallel: Any = None  # distributed/context_parallel.py sets it: the gathered K/V
         if self.alibi:
             self.register_buffer("alibi_slopes", alibi_slopes(args.num_heads), persistent=False)
 
@@ -166,16 +209,15 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         if cache is not None:
             k, v = cache.update(layer_key, k, v)  # [B, KV_local, past + T, hd]
-        if self.context_parallel is not None:  # local queries vs every CP rank's keys (global-position mask)
+        if self.context_parallel is not None:  # local queries vs every CP rank's keys (mask: the model's)
             k, v = self.context_parallel.gather_kv(k, v)
-            mask = self.context_parallel.mask(self.sliding)
         # Grouped-query attention inside SDPA (no repeated K/V copies in memory): ~15% faster attention on CPU.
         gqa = q.shape[1] != k.shape[1]
 
         if mask.flex is not None:  # block-sparse FlexAttention (ALiBi as a score mod)
             out = flex_attend(q, k, v, mask.flex, self.alibi_slopes if self.alibi else None)
             return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-        attn_mask: torch.Tensor | None = mask.allowed
+        attn_mask = sdpa_mask(mask, q.dtype)
         if self.alibi:
             assert mask.rel_pos is not None
             slopes = self.alibi_slopes.to(device=q.device, dtype=torch.float32)

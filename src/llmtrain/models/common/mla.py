@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.attention import AttentionMask
+from llmtrain.models.common.attention import AttentionMask, sdpa_mask
 from llmtrain.models.common.kv_cache import KVCache
 from llmtrain.models.common.layers import RMSNorm
 from llmtrain.models.common.rope import apply_rope
@@ -120,12 +120,13 @@ class MultiHeadLatentAttention(nn.Module):
         )  # [B, S, H_local, nope+rope]
         q = torch.cat((q_nope, q_rope), dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H_local, T or S, .]
+        attn_mask = sdpa_mask(mask, q.dtype)  # the forward's shared additive mask
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=mask.allowed,
-            is_causal=mask.is_causal and mask.allowed is None,
+            attn_mask=attn_mask,
+            is_causal=mask.is_causal and attn_mask is None,
             scale=self.softmax_scale,
         )  # [B, H_local, T, v]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

@@ -18,7 +18,9 @@ its name, so the same seed gives bitwise the same tensors whatever subset of lay
 
 ``forward`` returns logits ``[B, T, vocab]`` (or hidden states when ``output`` is None); the loss lives in the
 trainer. With ``document_ids`` it masks attention across packed documents; with a :class:`KVCache` it
-processes only the new tokens and appends their keys/values.
+processes only the new tokens and appends their keys/values. The masks are built here, once per forward and
+before the blocks (which ``torch.compile`` may wrap), dense ones with the additive mask every layer's SDPA
+shares (models/common/attention.py); under context parallel they come from ``context_parallel.masks``.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.attention import Attention, AttentionMask, build_masks
+from llmtrain.models.common.attention import Attention, AttentionMask, build_masks, query_dtype
 from llmtrain.models.common.kv_cache import KVCache
 from llmtrain.models.common.layers import FeedForward, NormHead, RMSNorm
 from llmtrain.models.common.mla import MultiHeadLatentAttention
@@ -119,6 +121,7 @@ class Transformer(nn.Module):
         )
         self.tie_weights()
         self.attention_impl = "sdpa"  # model.attention (auto, sdpa, flex), set by distributed/parallelize.py
+        self.context_parallel: Any = None  # distributed/context_parallel.py sets it: the micro-batch's masks
 
     def tie_weights(self) -> None:
         """Share ``tok_embeddings.weight`` with ``output`` when the args tie them (and both exist here)."""
@@ -162,7 +165,11 @@ class Transformer(nn.Module):
         rope = self.rope(position_ids) if self.rope is not None else None
         alibi, window = self.args.position_embedding == "alibi", self.args.sliding_window
         impl = "sdpa" if self.args.kv_lora_rank else self.attention_impl  # MLA attends through SDPA only
-        mask = build_masks(seqlen, past, document_ids, alibi, h.device, window, impl)
+        dtype = query_dtype(h) if h.is_floating_point() else None
+        if self.context_parallel is not None:  # local queries vs all keys, from ContextParallel.shard
+            mask = self.context_parallel.masks(dtype)
+        else:
+            mask = build_masks(seqlen, past, document_ids, alibi, h.device, window, impl, dtype=dtype)
         for layer in self.layers.values():
             h = layer(h, rope, mask, cache)
         if cache is not None:
