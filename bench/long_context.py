@@ -193,7 +193,7 @@ def _cp_child(seq: int, a: argparse.Namespace) -> dict | None:
         model.zero_grad(set_to_none=True)
         # drop the batch's masks (the trainer keeps them until the next shard, off its peak), so the measured
         # run's baseline does not hold the warm-up's mask, which its shard would free and hide from the peak
-        cp._mask = None
+        cp.release()
 
     peak, secs = _measure(step, device, sync=dist.barrier)
     worst = torch.tensor([float(peak), secs], dtype=torch.float64, device=device)

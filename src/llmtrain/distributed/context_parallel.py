@@ -125,6 +125,10 @@ class ContextParallel:
             "position_ids": positions[:, q_idx],
         }
 
+    def release(self) -> None:
+        """Forget the current micro-batch's masks (the next ``shard`` builds new ones)."""
+        self._mask = None
+
     def mask(self, sliding: bool) -> AttentionMask:
         """The current batch's boolean mask of local queries vs gathered keys (the windowed one for sliding
         layers)."""
