@@ -23,6 +23,7 @@ with either is refused by resolve/validate.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -51,16 +52,14 @@ def token_cross_entropy(
     )  # fmt: skip
 
 
-_COMPILED: list[Callable[..., torch.Tensor]] = []  # torch.compile(token_cross_entropy), made on first use
+@functools.cache
+def _compiled_cross_entropy() -> Callable[..., torch.Tensor]:
+    return torch.compile(token_cross_entropy)  # made on first use, once per process
 
 
 def cross_entropy_fn(compiled: bool) -> Callable[..., torch.Tensor]:
     """:func:`token_cross_entropy`, or its one compiled instance (shared, so its graphs are made once)."""
-    if not compiled:
-        return token_cross_entropy
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(token_cross_entropy))
-    return _COMPILED[0]
+    return _compiled_cross_entropy() if compiled else token_cross_entropy
 
 
 def _chunk_loss(

@@ -165,7 +165,7 @@ class Transformer(nn.Module):
         rope = self.rope(position_ids) if self.rope is not None else None
         alibi, window = self.args.position_embedding == "alibi", self.args.sliding_window
         impl = "sdpa" if self.args.kv_lora_rank else self.attention_impl  # MLA attends through SDPA only
-        dtype = query_dtype(h) if h.is_floating_point() else None
+        dtype = query_dtype(h)
         if self.context_parallel is not None:  # local queries vs all keys, from ContextParallel.shard
             mask = self.context_parallel.masks(dtype)
         else:
