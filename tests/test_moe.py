@@ -1,6 +1,6 @@
 """Mixture of experts: the MoE block against a naive per-token loop, the aux loss against its closed form,
 capacity drops, the aux-free bias, parameter counts; and expert parallel (ep2, all-to-all) plus dp2 (ZeRO 3)
-against a single-process run of qwen3 debug_moe: losses within 1e-5, grad norms within 1e-3 (relative) over 5
+against a single-process run of qwen3 debug_moe: losses within 1e-5, grad norms within 1e-3 (relative) over 3
 steps with clipping active, one torchrun launch; an ep2 checkpoint loaded by one process gives the same weights.
 """
 
@@ -22,7 +22,7 @@ from llmtrain.train.trainer import Trainer
 from test_parallel import base as parallel_base  # tests/ is on sys.path under pytest
 from test_parallel import close, launch, per_step
 
-STEPS = 5
+STEPS = 3
 
 
 def make_moe(

@@ -1,5 +1,5 @@
 """Every layout computes what one process computes: losses within 1e-5 and grad norms within 1e-3 (relative)
-of a single-process run of the same model and batches, 5 steps, fp32, clipping active (threshold below the
+of a single-process run of the same model and batches, 3 steps, fp32, clipping active (threshold below the
 natural norm). Models: llama3 (untied and tied input/output embeddings: the tied weight is ONE DTensor under
 TP), qwen3 (QK-norm, so the NoParallel path of the TP plan is exercised) and baichuan2 with ALiBi (slopes
 sliced to each TP rank's heads). One torchrun launch per (family, world size) runs every variant of that
@@ -26,7 +26,7 @@ from llmtrain.models.hf_io import init_from_hf, save_hf
 from llmtrain.train.trainer import Trainer
 
 WORKER = Path(__file__).parent / "distributed" / "worker.py"
-STEPS = 5
+STEPS = 3
 # model group -> (family, model overrides); every parallel variant names its group, the reference runs per group
 MODELS: dict[str, tuple[str, dict]] = {
     "llama3": ("llama3", {}),

@@ -2,7 +2,7 @@
 
 Every schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv), an uneven layer split, PP x TP and PP x DP
 (ZeRO-3): losses within 1e-5 and grad norms within 1e-3 (relative) of a single-process run of the same model
-(debug flavor with 4 layers) and batches, 5 steps, fp32, clipping active. Two families (llama3, qwen3), one
+(debug flavor with 4 layers) and batches, 3 steps, fp32, clipping active. Two families (llama3, qwen3), one
 torchrun launch per (family, world size). Also: validation through the pipeline equals the single-process
 validation of the same sequences; a PP2 checkpoint resumes in a single process with the same next losses (and
 the same parameter names); bad layouts are ConfigErrors (no torchrun needed).
@@ -20,7 +20,7 @@ from llmtrain.resolve.validate import validate
 from llmtrain.train.trainer import Trainer
 from test_parallel import base, close, launch
 
-STEPS = 5
+STEPS = 3
 RESUME_STEPS = 2
 FAMILIES = ("llama3", "qwen3")
 PP = {"pipeline_parallel": 2, "micro_batch_num": 4}
