@@ -96,3 +96,20 @@ def test_reader_rejects_bad_files(tmp_path):
     (tmp_path / "ds.bin").write_bytes(b"\x00" * 8)  # needs 12 bytes
     with pytest.raises(DataError, match="truncated"):
         IndexedDataset(prefix)
+
+
+def test_check_index_accepts_every_writer_output(tmp_path):
+    """``check_index`` passes what the writer makes: one- and multi-sequence documents, an empty document, an
+    empty dataset (the damaged cases are in tests/test_hostile_data.py)."""
+    from llmtrain.data.indexed import check_index
+
+    w = IndexedDatasetWriter(str(tmp_path / "a"), np.uint16)
+    w.add_document([1, 2, 3])
+    w.add_document([4, 5, 6, 7], [1, 3])
+    w.add_document([])
+    w.add_documents(np.asarray([8, 9, 10], np.uint16), np.asarray([2, 1]))
+    w.finalize()
+    check_index(tmp_path / "a")
+    empty = IndexedDatasetWriter(str(tmp_path / "e"), np.int32)
+    empty.finalize()
+    check_index(tmp_path / "e")

@@ -162,7 +162,105 @@ def read_header(prefix: str | Path) -> tuple[np.dtype, int, int]:
             f"'{ipath}' has index version {version} / dtype code {code}; expected version 1 "
             f"and one of Megatron's dtype codes {sorted(CODE_DTYPES)}."
         )
+    if CODE_DTYPES[code].kind == "f":
+        raise DataError(
+            f"'{ipath}' declares its tokens as {CODE_DTYPES[code].name} (dtype code {code}): token ids are "
+            f"integers, so this is not a token dataset (or its header is damaged). Token datasets use one of the "
+            f"integer codes {sorted(c for c, dt in CODE_DTYPES.items() if dt.kind in 'iu')}."
+        )
     return CODE_DTYPES[code], int(n_seq), int(n_doc)
+
+
+CHECK_BLOCK = 1 << 22  # sequences per vectorised step of check_index: ~50 MB of temporaries at most
+
+
+def check_index(prefix: str | Path) -> None:
+    """The internal consistency of ``PREFIX.idx`` against itself and ``PREFIX.bin``, as every MMIDIDX writer
+    (Megatron's ``IndexedDatasetBuilder``, ours) makes it; DataError naming the file and the first fault.
+
+    Checked: an integer dtype and a known code (:func:`read_header`); the ``.idx`` size is exactly what its
+    header's counts describe; every sequence length is >= 0; every pointer is the byte offset right after
+    the previous sequence (so within ``.bin``, aligned, no overlap, no gap); the ``.bin`` holds exactly the
+    tokens the index describes; ``document_indices`` starts at 0, never decreases and ends at the sequence
+    count. Vectorised in blocks of :data:`CHECK_BLOCK` sequences: one read of the index, memory bounded."""
+    ipath, bpath = idx_path(prefix), bin_path(prefix)
+    dtype, n_seq, n_doc = read_header(prefix)
+    size = ipath.stat().st_size
+    expected = HEADER_BYTES + n_seq * (4 + 8) + n_doc * 8
+    if size == expected + n_seq and n_seq:
+        raise DataError(
+            f"'{ipath}' ends with one mode byte per sequence: a Megatron multimodal index (text and image "
+            f"sequences), which llmtrain does not train on; use a text-only dataset."
+        )
+    if size != expected:
+        raise DataError(
+            f"'{ipath}' is damaged: its header counts {n_seq} sequences and {n_doc} document_indices entries, "
+            f"which take {expected} bytes, but the file has {size} bytes "
+            f"({'truncated' if size < expected else 'trailing bytes, or wrong counts'}). Regenerate the index "
+            f"with the tool that wrote the dataset."
+        )
+    if n_doc < 1:
+        raise DataError(
+            f"'{ipath}' is damaged: it has no document_indices (Megatron's index always starts them with 0). "
+            f"Regenerate the index with the tool that wrote the dataset."
+        )
+    n_bytes = bpath.stat().st_size
+    raw = np.memmap(ipath, dtype=np.uint8, mode="r")
+    sizes = np.frombuffer(raw, dtype=np.int32, count=n_seq, offset=HEADER_BYTES)
+    pointers = np.frombuffer(raw, dtype=np.int64, count=n_seq, offset=HEADER_BYTES + 4 * n_seq)
+    docs = np.frombuffer(raw, dtype=np.int64, count=n_doc, offset=HEADER_BYTES + 12 * n_seq)
+    item = dtype.itemsize
+    offset = 0  # bytes of .bin before the current block
+    for lo in range(0, n_seq, CHECK_BLOCK):
+        block = sizes[lo : lo + CHECK_BLOCK].astype(np.int64)  # [B]
+        if (bad := np.flatnonzero(block < 0)).size:
+            i = lo + int(bad[0])
+            raise DataError(
+                f"'{ipath}' is damaged: sequence {i} has length {int(sizes[i])} (a length is a token count, "
+                f"never negative). Regenerate the index with the tool that wrote the dataset."
+            )
+        if (bad := np.flatnonzero(block * item > n_bytes)).size:
+            i = lo + int(bad[0])
+            raise DataError(
+                f"'{ipath}' is damaged: sequence {i} has length {int(sizes[i])} tokens ({int(sizes[i]) * item} "
+                f"bytes of {dtype.name}), more than the whole '{bpath}' ({n_bytes} bytes). Regenerate the index "
+                f"with the tool that wrote the dataset."
+            )
+        ends = offset + np.cumsum(block * item)  # [B] byte end of each sequence
+        starts = ends - block * item  # [B] where each must start: right after the previous one
+        if (bad := np.flatnonzero(pointers[lo : lo + CHECK_BLOCK] != starts)).size:
+            i, at = lo + int(bad[0]), int(pointers[lo + int(bad[0])])
+            where = (
+                f"past the end of '{bpath}' ({n_bytes} bytes)" if not 0 <= at < n_bytes else f"of '{bpath}'"
+            )
+            raise DataError(
+                f"'{ipath}' is damaged: sequence {i} points at byte {at} {where}, but the lengths before it put "
+                f"it at byte {int(starts[bad[0]])} (every MMIDIDX writer stores the sequences back to back, each "
+                f"pointer the sum of the lengths before it x {item} bytes). Regenerate the index with the tool "
+                f"that wrote the dataset."
+            )
+        offset = int(ends[-1])
+    if offset != n_bytes:
+        what = "the .bin is truncated" if n_bytes < offset else "the .bin is longer than its index says"
+        raise DataError(
+            f"'{bpath}' has {n_bytes} bytes, but its index '{ipath}' describes {offset} bytes ({n_seq} "
+            f"sequences of {dtype.name} tokens): {what}, or the two files are not of one dataset. Regenerate "
+            f"them together."
+        )
+    if docs[0] != 0 or docs[-1] != n_seq:
+        raise DataError(
+            f"'{ipath}' is damaged: its document_indices run from {int(docs[0])} to {int(docs[-1])}; they must "
+            f"run from 0 to its {n_seq} sequences. Regenerate the index with the tool that wrote the dataset."
+        )
+    for lo in range(0, n_doc - 1, CHECK_BLOCK):
+        step = np.diff(docs[lo : lo + CHECK_BLOCK + 1])  # [B]
+        if (bad := np.flatnonzero(step < 0)).size:
+            i = lo + int(bad[0])
+            raise DataError(
+                f"'{ipath}' is damaged: its document_indices decrease at entry {i + 1} ({int(docs[i])} then "
+                f"{int(docs[i + 1])}); they are the sequence counts after each document, never decreasing. "
+                f"Regenerate the index with the tool that wrote the dataset."
+            )
 
 
 class IndexedDataset:

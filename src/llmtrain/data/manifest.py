@@ -51,9 +51,9 @@ def read_manifest(prefix: str) -> dict:
         )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise DataError(
-            f"Manifest '{path}' of dataset '{prefix}' is not valid JSON ({e}); run prepare again."
+            f"Manifest '{path}' of dataset '{prefix}' is not valid JSON ({str(e)[:200]}); run prepare again."
         ) from None
     missing = [k for k in REQUIRED_KEYS if not isinstance(manifest, dict) or k not in manifest]
     if missing or manifest.get("format") != FORMAT:
@@ -119,8 +119,12 @@ def tokenizer_copy_name(prefix: str, source: str) -> str:
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write ``obj`` as indented JSON to ``path`` through a temporary file and a rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk...: no half-written temporary left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def shard_entries(prefix: str, manifest: dict) -> list[tuple[str, dict]]:

@@ -18,7 +18,11 @@ disk speed, sha256 about 1-2 GB/s per core, so ~1 s per GB once; datasets are ne
 What is caught, before the first step: any change made through the filesystem to a ``.bin`` or ``.idx`` of a
 manifest dataset, same size or not (a flipped byte anywhere), since writing a file moves its ``mtime_ns``; a
 token id outside ``[0, vocab_size)`` of the tokenizer (``model.vocab_size`` when the manifest records none),
-which would otherwise end in an IndexError deep in the embedding. What is not caught: a change after the
+which would otherwise end in an IndexError deep in the embedding; an index that does not describe its ``.bin``
+(negative lengths, pointers past the end or not back to back, document indices unsorted or out of range, a
+float dtype, counts that disagree with the file sizes: ``indexed.check_index``, run in the same first pass and
+recorded in the stamp's ``.idx`` entry as ``sequences``), which matters most for a Megatron dataset, whose
+files no manifest pins. What is not caught: a change after the
 stamp that keeps both size and ``mtime_ns`` (``touch -d`` back to the old time, or corruption below the
 filesystem: bit rot, a bad disk); a change while a run is going (the files are memory-mapped at the start). A
 Megatron dataset has no manifest, so no reference checksum: its pass cannot tell a damaged file from a
@@ -38,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain.data.describe import DatasetInfo
-from llmtrain.data.indexed import bin_path, idx_path
+from llmtrain.data.indexed import bin_path, check_index, idx_path, read_header
 from llmtrain.data.manifest import write_json_atomic
 from llmtrain.data.tokenizer import sha256_file
 from llmtrain.errors import DataError
@@ -57,9 +61,13 @@ class FileCheck:
     sha256: str
     min_id: int | None = None
     max_id: int | None = None
+    sequences: int | None = None
+    """For a ``.idx``: its sequence count, recorded once :func:`llmtrain.data.indexed.check_index` passed (a
+    stamp entry without it, from an older llmtrain, is verified again)."""
 
 
 _MEMO: dict[tuple[str, int, int, str], FileCheck] = {}  # (resolved path, size, mtime_ns, dtype) -> check
+_INDEX_MEMO: set[tuple] = set()  # (.idx, .bin) (resolved path, size, mtime_ns) pairs whose structure passed
 
 
 def stamp_path(prefix: str) -> Path:
@@ -81,6 +89,7 @@ def verify_dataset(info: DatasetInfo, where: str, vocab_size: int | None = None)
             expected = (files.get(kind) or {}).get("sha256")
             name = os.path.relpath(path, folder)
             checks[name] = _check_file(path, kind == "bin", info, expected, stamp.get(name), where)
+        _check_structure(shard, folder, checks, stamp, info.prefix, where)
     limit = info.vocab_size if info.vocab_size is not None else vocab_size
     for name, c in checks.items():
         if limit is None or c.max_id is None or c.min_id is None:
@@ -99,6 +108,25 @@ def verify_dataset(info: DatasetInfo, where: str, vocab_size: int | None = None)
     if fresh and writable:
         _write_stamp(info.prefix, checks)
     return {n: c.sha256 for n, c in checks.items()}
+
+
+def _check_structure(
+    shard: str, folder: Path, checks: dict[str, FileCheck], stamp: dict[str, dict], prefix: str, where: str
+) -> None:
+    """The index of ``shard`` is consistent with itself and its ``.bin`` (``check_index``): checked once, when
+    either file is not the one the stamp vouches for, then recorded in the ``.idx`` entry (``sequences``)."""
+    names = [os.path.relpath(p, folder) for p in (bin_path(shard), idx_path(shard))]
+    if all(stamp.get(n) == _record(checks[n]) for n in names):
+        return  # both files as stamped, and the stamp was written after this check passed
+    key = tuple((str(p.resolve()), st.st_size, st.st_mtime_ns) for p in (bin_path(shard), idx_path(shard))
+                for st in [p.stat()])  # fmt: skip
+    if key not in _INDEX_MEMO:
+        try:
+            check_index(shard)
+        except DataError as e:
+            raise DataError(f"{where} = '{prefix}': {e}") from None
+        _INDEX_MEMO.add(key)
+    checks[names[1]] = dataclasses.replace(checks[names[1]], sequences=read_header(shard)[1])
 
 
 def _check_tokenizer_copy(info: DatasetInfo, where: str) -> None:
@@ -133,6 +161,7 @@ def _check_file(
             and (cached.bytes, cached.mtime_ns) == (st.st_size, st.st_mtime_ns)
             and (expected is None or cached.sha256 == expected)
             and (not is_bin or cached.max_id is not None or st.st_size == 0)
+            and (is_bin or cached.sequences is not None)
         ):
             return cached
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns, info.dtype.name if is_bin else "")
@@ -181,7 +210,7 @@ def _read_stamp(prefix: str) -> tuple[dict[str, dict], bool]:
         return {}, True
     try:
         stamp = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return {}, False
     if not isinstance(stamp, dict) or stamp.get("format") != STAMP_FORMAT:
         return {}, False

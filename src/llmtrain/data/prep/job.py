@@ -154,7 +154,24 @@ class PartCounters:
 
     @classmethod
     def from_json(cls, obj: dict) -> PartCounters:
-        """Counters read back from a finished part's ``part-NNNNN.json``."""
+        """Counters read back from a finished part's ``part-NNNNN.json``; ValueError when ``obj`` is not what
+        :meth:`to_json` writes (a damaged file: other keys, wrong types, negative counts)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(obj, dict) or sorted(obj) != sorted(names):
+            raise ValueError("not the counters of a part")
+
+        def count(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        for name in names:
+            v = obj[name]
+            ok = (
+                isinstance(v, dict) and all(isinstance(k, str) and count(n) for k, n in v.items())
+                if name in ("errors", "rejected")
+                else count(v)
+            )
+            if not ok:
+                raise ValueError(f"part counter {name!r} is {v!r}")
         return cls(**obj)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 from llmtrain.data.indexed import optimal_dtype
@@ -31,6 +30,7 @@ from llmtrain.data.prep.dedup import DedupIndex
 from llmtrain.data.prep.outputs import check_outputs
 from llmtrain.data.prep.pipeline import options_from
 from llmtrain.data.prep.shards import iter_part_batches, write_dataset
+from llmtrain.data.prep.workdir import remove
 from llmtrain.errors import DataError
 
 
@@ -65,7 +65,7 @@ def _read_done(folder: Path) -> dict:
     path = folder / "done.json"
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         summary = e
     needed = ("tokenizer", "prepare", "parts", "report")
     if not isinstance(summary, dict) or any(k not in summary for k in needed):
@@ -125,8 +125,13 @@ def merge(
         },
     )
     manifest["report"]["cross_partition"] = counters
-    if not keep_partitions:
-        shutil.rmtree(Path(f"{output}.partitions"), ignore_errors=True)
+    if not keep_partitions:  # only the folders prepare created (with its marker); the root when then empty
+        for d in dirs:
+            remove(d)
+        try:
+            Path(f"{output}.partitions").rmdir()
+        except OSError:
+            pass
     if log:
         log(
             f"merge: {len(dirs)} partitions -> {manifest['documents']:,} documents, {manifest['tokens']:,} tokens, "

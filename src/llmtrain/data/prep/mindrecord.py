@@ -143,8 +143,8 @@ def read_header(path: Path) -> ShardHeader:
         raw = _read_at(f, 8, n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(path, f"its {n}-byte JSON header does not parse ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, a 4300+ digit int
+        raise _corrupt(path, f"its {n}-byte JSON header does not parse ({str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise _corrupt(path, "its header is not a JSON object")
     if missing := [
@@ -180,7 +180,8 @@ def _blob_pages(path: Path, entries: object, header_size: int, page_size: int, s
     if not isinstance(entries, list):
         raise _corrupt(path, "its header's 'page' is not a list")
     keys = ("page_id", "page_type", "start_row_id", "end_row_id", "page_size")
-    pages = []
+    pages: list[BlobPage] = []
+    seen: set[int] = set()
     for e in entries:
         if not isinstance(e, dict) or any(k not in e for k in keys):
             raise _corrupt(path, f"a page entry {str(e)[:120]} lacks one of {list(keys)}")
@@ -192,6 +193,9 @@ def _blob_pages(path: Path, entries: object, header_size: int, page_size: int, s
             raise _corrupt(path, f"page {p.page_id} uses {p.used} bytes of a {page_size}-byte page")
         if end > size:
             raise _corrupt(path, f"page {p.page_id} ends at byte {end}, past the end of the file ({size})")
+        if p.page_id in seen:
+            raise _corrupt(path, f"two page entries have page_id {p.page_id} (they would share its bytes)")
+        seen.add(p.page_id)
         if e["page_type"] == "BLOB_DATA":
             pages.append(p)
     pages.sort(key=lambda p: p.page_id)
@@ -199,6 +203,12 @@ def _blob_pages(path: Path, entries: object, header_size: int, page_size: int, s
     for p in pages:
         if p.start_row != row or p.end_row < p.start_row:
             raise _corrupt(path, f"blob page {p.page_id} has rows {p.start_row}..{p.end_row}, not from {row}")
+        if p.end_row == p.start_row or p.used == 0:  # MindSpore's writer opens a page for a row, never empty
+            raise _corrupt(
+                path,
+                f"blob page {p.page_id} is empty ({p.end_row - p.start_row} rows in {p.used} bytes; MindSpore "
+                f"writes a page only for the rows it holds, so its rows or bytes were lost",
+            )
         row = p.end_row
     return pages
 

@@ -4,7 +4,9 @@ A dataset at PREFIX is ``PREFIX.bin/.idx`` or ``PREFIX_NNNNN.bin/.idx``, ``PREFI
 ``PREFIX.tokenizer.json|.model`` and ``PREFIX.report.txt`` (plus ``--rejects FILE`` when asked). Those files are
 replaced only when llmtrain can prove it wrote them: ``PREFIX.manifest.json`` is one of ours (``format:
 llmtrain.tokens``), which is written last, so its presence vouches for the rest. Never replaced, whatever the
-flags: an input of this very run (``--input U/bar.report.txt --output U/bar``, ``--rejects`` naming an input), and
+flags: an input of this very run (``--input U/bar.report.txt --output U/bar``, ``--rejects`` naming an input),
+one of the run's own outputs named as ``--rejects`` (a dataset file or shard of PREFIX, its stamp, anything in
+its work or partitions folder), and
 files at the prefix with no manifest of ours beside them (a user's own ``foo.bin`` / ``foo.tokenizer.json``). The
 check runs before anything is written, so a refusal leaves every file as it was.
 """
@@ -41,6 +43,22 @@ def _ours(prefix: str) -> dict | None:
     return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
 
 
+def _own_file(prefix: str, path: Path) -> str | None:
+    """What ``path`` is among the files ``prepare``/``merge`` write for ``prefix`` (a dataset file, a shard,
+    the verification stamp, something in the work or partitions folder), or None."""
+    base, target = Path(prefix).resolve(), path.resolve()
+    if target.parent == base.parent:
+        name = target.name
+        if name in {f"{base.name}{s}" for s in (*SUFFIXES, ".verified.json")}:
+            return f"the dataset's own file {name}"
+        if re.fullmatch(re.escape(base.name) + r"_\d{5}\.(bin|idx)", name):
+            return f"the dataset's shard {name}"
+    for folder in (base.parent / f".{base.name}.work", base.parent / f"{base.name}.partitions"):
+        if target == folder or folder in target.parents:
+            return f"its work folder {folder}"
+    return None
+
+
 def check_outputs(
     prefix: str, inputs: Iterable[str | Path], rejects: str | None, dataset: bool = True
 ) -> None:
@@ -53,6 +71,11 @@ def check_outputs(
         raise DataError(
             f"--rejects {rejects} is one of the inputs: it would be replaced by the rejected documents. Write "
             "the rejects to a new file."
+        )
+    if rejects is not None and (own := _own_file(prefix, Path(rejects))):
+        raise DataError(
+            f"--rejects {rejects} names {own} of this very run (--output {prefix}); the rejected documents "
+            "would overwrite it, or it them. Write the rejects to a file outside the dataset's names."
         )
     if not dataset:
         return

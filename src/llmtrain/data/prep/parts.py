@@ -38,6 +38,7 @@ from llmtrain.data.prep.pipeline import KEPT, ChunkResult, PrepareOptions, cache
 from llmtrain.data.prep.readers import READERS, file_kind
 from llmtrain.data.prep.shards import PartWriter, load_part_index, part_done, part_prefix
 from llmtrain.data.tokenizer import Tokenizer
+from llmtrain.errors import DataError
 
 T = TypeVar("T", bound=tuple)
 CHUNK_DOCUMENTS = 256  # documents per worker task
@@ -138,7 +139,14 @@ def run_parts(job: PrepareJob, files: list[Path], tok: Tokenizer, pool: Pool | N
         done = part_done(run.workdir, k)
         if done is not None:
             if index is not None:
-                load_part_index(run.workdir, k, index)
+                try:
+                    load_part_index(run.workdir, k, index)
+                except Exception as e:  # np.load of a damaged .npz raises many kinds (zip, pickle, shape)
+                    raise DataError(
+                        f"The work file '{part_prefix(run.workdir, k)}.dedup.npz' is damaged ({type(e).__name__}: "
+                        f"{e}); the work folder '{run.workdir}' is removed, so running the same command again "
+                        f"redoes the work."
+                    ) from None
             c = PartCounters.from_json(done)
             run.ordinal, run.read = c.ordinal, c.read_total
             counters.append(c)
@@ -208,14 +216,20 @@ def _run_part(k: int, path: Path, job: PrepareJob, run: PartsRun) -> tuple[PartC
     return c, writer
 
 
-def collect_rejects(workdir: Path, parts: int, target: str | None) -> None:
-    """Concatenate the parts' rejects into ``target`` (atomically)."""
+def collect_rejects(workdir: Path, parts: int, target: str | None) -> Path | None:
+    """Concatenate the parts' rejects into a temporary file beside ``target``; returns it (None without
+    ``target``). The caller renames it onto ``target`` once the dataset is published (and removes it)."""
     if target is None:
-        return
-    tmp = Path(f"{target}.tmp")
-    with open(tmp, "wb") as out:
-        for k in range(parts):
-            p = Path(f"{part_prefix(workdir, k)}.rejects.jsonl")
-            if p.is_file():
-                out.write(p.read_bytes())
-    tmp.replace(target)
+        return None
+    tmp = Path(target).with_name(f".{Path(target).name}.tmp-{os.getpid()}")
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as out:
+            for k in range(parts):
+                p = Path(f"{part_prefix(workdir, k)}.rejects.jsonl")
+                if p.is_file():
+                    out.write(p.read_bytes())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp

@@ -20,7 +20,10 @@ runs the tokenizer single-threaded (``TOKENIZERS_PARALLELISM=false``), so ``--wo
 Resumable and atomic: every input file becomes a finished *part* in ``.PREFIX.work/`` (``shards``); a killed
 run rerun with the same arguments skips finished parts (the dedup index is rebuilt from their signatures). The
 final shards and manifest are renamed into place, manifest last. An input error (``--on-error raise``)
-removes the work folder and leaves any previous dataset at PREFIX untouched; ``--on-error skip`` counts it.
+removes the work folder and leaves any previous dataset at PREFIX untouched; ``--on-error skip`` counts it. A
+failed write (a full disk) publishes nothing: the previous dataset stays byte for byte, the finished parts stay
+for the rerun. The work folder is one ``prepare`` created (``workdir``: a marker file); a folder of that name
+without the marker is refused and never reused or removed, and a damaged ``state.json`` restarts the work.
 
 ``--partition I/N`` processes every N-th document (by position among all non-blank input records) into
 ``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions in
@@ -45,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import shutil
 import time
 from collections.abc import Callable
@@ -64,9 +66,10 @@ from llmtrain.data.prep.shards import iter_part_batches, write_dataset
 from llmtrain.data.prep.stages.layout import StageSettings, staged_settings
 from llmtrain.data.prep.stages.run import run_stages
 from llmtrain.data.prep.tokenizer_training import TRAINED_EOS, train_on_documents
+from llmtrain.data.prep.workdir import claim, remove
 from llmtrain.data.samples import digest
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
-from llmtrain.errors import ConfigError, DataError
+from llmtrain.errors import ConfigError, DataError, FileSystemError
 
 
 def prepare(
@@ -152,11 +155,11 @@ def _prepare(job: PrepareJob, pool: Pool | None, staged: StageSettings | None = 
                 f"tokenizers must not mix. Choose another --output, or pass --overwrite to replace it."
             )
     workdir = job.workdir
-    state = workdir / "state.json"
-    if workdir.exists() and (not state.is_file() or json.loads(state.read_text()).get("key") != key):
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(state, {"key": key, "identity": identity})
+    try:
+        claim(workdir, key, identity, job.say)  # a folder prepare did not create is refused, never reused
+    except OSError as e:
+        raise _write_failed(e, output, workdir) from None
+    rejects_tmp = None
     try:
         tok = given or _tokenizer(job, files, workdir)
         parts_dir, parts = workdir, len(files)
@@ -185,6 +188,7 @@ def _prepare(job: PrepareJob, pool: Pool | None, staged: StageSettings | None = 
             write_json_atomic(workdir / "done.json", summary)
             job.say(f"prepare: partition {job.partition.index}/{job.partition.count} done -> {workdir}")
             return summary
+        rejects_tmp = collect_rejects(parts_dir, parts, opts.rejects)  # written in full before the dataset
         manifest = write_dataset(
             output,
             batches,
@@ -196,12 +200,18 @@ def _prepare(job: PrepareJob, pool: Pool | None, staged: StageSettings | None = 
             Path(tok.path),
             extra,
         )
-        collect_rejects(parts_dir, parts, opts.rejects)
+        if rejects_tmp is not None and opts.rejects is not None:
+            rejects_tmp.replace(opts.rejects)
     except DataError:
         if staged is None or staged.stage is None:  # a scheduled task leaves the other tasks' work alone
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove(workdir)
         raise
-    shutil.rmtree(workdir, ignore_errors=True)
+    except OSError as e:  # a full disk, a folder that refuses writes: nothing published, the work is kept
+        raise _write_failed(e, output, workdir) from None
+    finally:
+        if rejects_tmp is not None:
+            rejects_tmp.unlink(missing_ok=True)
+    remove(workdir)
     secs = time.perf_counter() - start
     job.say(
         f"prepare: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']}) "
@@ -209,6 +219,16 @@ def _prepare(job: PrepareJob, pool: Pool | None, staged: StageSettings | None = 
         f"report: {output}.report.txt"
     )
     return manifest
+
+
+def _write_failed(e: OSError, output: str, workdir: Path) -> FileSystemError:
+    """The error of a write that failed (a full disk...) before the dataset was published."""
+    old = f"the dataset already at {output} is unchanged" if manifest_path(output).is_file() else "no dataset"
+    return FileSystemError(
+        f"prepare --output {output}: writing failed ({e.strerror or e}{f': {e.filename}' if e.filename else ''})."
+        f" Nothing was published ({old}); the finished work in '{workdir}' is kept, so the same command, rerun "
+        f"once there is space, resumes it."
+    )
 
 
 def _prepare_mindrecord(

@@ -187,6 +187,19 @@ def _parse_line(raw: bytes, path: Path, line_no: int, text_key: str) -> str:
             f"Input '{path}' line {line_no} is not valid JSON ({e.msg} at column {e.colno}); each line of a "
             f'.jsonl file must be one JSON object like {{"{text_key}": "..."}} (or pass --on-error skip).'
         ) from None
+    except (
+        RecursionError,
+        ValueError,
+    ) as e:  # nesting deeper than the parser's stack; an int of > 4300 digits
+        what = (
+            "nests arrays/objects too deeply to parse"
+            if isinstance(e, RecursionError)
+            else f"is unreadable ({e})"
+        )
+        raise DataError(
+            f"Input '{path}' line {line_no} is not valid JSON for prepare: it {what}; each line of a .jsonl file "
+            f'must be one JSON object like {{"{text_key}": "..."}} (or pass --on-error skip).'
+        ) from None
     if not isinstance(record, dict) or text_key not in record:
         keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
         raise DataError(
@@ -199,11 +212,21 @@ def _parse_line(raw: bytes, path: Path, line_no: int, text_key: str) -> str:
             f"Input '{path}' line {line_no}: field '{text_key}' is a {type(text).__name__}, not a string; every "
             f"document's text must be a JSON string."
         )
+    if "\\u" in line:  # only a \uXXXX escape can smuggle a lone UTF-16 surrogate into valid UTF-8 JSON
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(
+                f"Input '{path}' line {line_no}: field '{text_key}' holds a lone surrogate "
+                f"(\\u{ord(text[e.start]):04x} at character {e.start}), an escape of half a UTF-16 pair that is "
+                f"not Unicode text; fix the writer of the file (or pass --on-error skip)."
+            ) from None
     return text
 
 
 def _reason(message: str) -> str:
-    for key, reason in (("UTF-8", "invalid_utf8"), ("valid JSON", "invalid_json"), ("field", "missing_key")):
+    for key, reason in (("surrogate", "invalid_unicode"), ("UTF-8", "invalid_utf8"), ("valid JSON", "invalid_json"),
+                        ("field", "missing_key")):  # fmt: skip
         if key in message:
             return reason
     return "bad_record"

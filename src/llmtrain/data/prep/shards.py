@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain import __version__
-from llmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path
+from llmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, check_index, idx_path
 from llmtrain.data.manifest import FORMAT, VERSION, manifest_path, read_manifest, sealed, write_json_atomic
 from llmtrain.data.prep.dedup import DedupIndex
 from llmtrain.data.prep.pack import ConcatPacker, make_packer
 from llmtrain.data.tokenizer import sha256_file
+from llmtrain.errors import DataError
 
 
 def part_prefix(workdir: Path, k: int) -> Path:
@@ -42,9 +43,18 @@ def part_prefix(workdir: Path, k: int) -> Path:
 
 
 def part_done(workdir: Path, k: int) -> dict | None:
-    """Counters of finished part ``k``, or None."""
+    """Counters of finished part ``k``, or None (also when its counters file is damaged: the part is redone,
+    its other files being replaced by the new ones)."""
+    from llmtrain.data.prep.job import PartCounters
+
     p = Path(f"{part_prefix(workdir, k)}.json")
-    return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+        if obj is not None:
+            PartCounters.from_json(obj)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return obj
 
 
 class PartWriter:
@@ -125,7 +135,14 @@ def iter_part_batches(
         prefix = part_prefix(workdir, k)
         if not bin_path(prefix).is_file():
             continue  # an empty part (--max-documents reached before this file)
-        ds = IndexedDataset(str(prefix))
+        try:
+            check_index(prefix)
+            ds = IndexedDataset(str(prefix))
+        except DataError as e:
+            raise DataError(
+                f"The work file of input {k} is damaged ({e}); the work folder '{workdir}' is removed, so running "
+                f"the same command again redoes the work."
+            ) from None
         sizes = ds.sizes.astype(np.int64)  # [D] one sequence per document in a part
         keep = None if index is None else _cross_part_keep(prefix, index, counters)
         ends = np.cumsum(sizes)  # [D]

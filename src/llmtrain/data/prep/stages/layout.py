@@ -224,9 +224,13 @@ class StageContext:
         return Path(self.root) / "stats" / f"{stage}-{task:05d}.json"
 
     def done(self, stage: int, task: int) -> dict | None:
-        """The figures of a finished task, or None."""
+        """The figures of a finished task, or None (also when its marker is damaged: the task is run again)."""
         p = self.marker(stage, task)
-        return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+        try:
+            stats = json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            return None
+        return stats if isinstance(stats, dict) else None
 
     def finish(self, stage: int, task: int, stats: dict) -> None:
         path = self.marker(stage, task)

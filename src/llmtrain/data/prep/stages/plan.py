@@ -92,7 +92,7 @@ def _per_byte(path: Path, text_key: str) -> tuple[float, float]:
         if line.strip():
             try:
                 text = json.loads(line).get(text_key, "")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 continue
             docs += 1
             chars += len(text) if isinstance(text, str) else 0

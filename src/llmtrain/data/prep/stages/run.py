@@ -32,7 +32,7 @@ import numpy as np
 
 from llmtrain.data.manifest import write_json_atomic
 from llmtrain.data.prep.job import PartCounters, PrepareJob, stage_report
-from llmtrain.data.prep.shards import part_done
+from llmtrain.data.prep.shards import part_done, part_prefix
 from llmtrain.data.prep.stages.engines import Engine, make_engine
 from llmtrain.data.prep.stages.layout import (
     STAGES,
@@ -44,7 +44,7 @@ from llmtrain.data.prep.stages.layout import (
 )
 from llmtrain.data.prep.stages.tokenize import staged_batches
 from llmtrain.data.tokenizer import Tokenizer
-from llmtrain.errors import ConfigError
+from llmtrain.errors import ConfigError, DataError
 
 SUMMED = ("docs_in", "docs_out", "chars_in", "rows_in", "candidates", "pairs", "pairs_in", "nodes",
           "components", "dropped", "exact_duplicate", "near_duplicate", "tokens", "bytes", "seconds",
@@ -82,14 +82,21 @@ def _check_layout(root: Path, plan: Plan, scheduled: bool) -> None:
     """Start over (or, for a scheduled task, refuse) when the work folder holds stages of another plan."""
     path = root / "layout.json"
     if path.is_file():
-        old = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):  # damaged: another plan for all we know
+            old = None
         if old == plan.to_json():
             return
         if scheduled:
+            known = isinstance(old, dict) and isinstance(old.get("partitions"), list)
+            what = (
+                f"{len(old['partitions'])} partitions x {old.get('buckets')} buckets" if known else "damaged"
+            )
             raise ConfigError(
-                f"{root} holds the stages of another plan ({len(old['partitions'])} partitions x "
-                f"{old['buckets']} buckets; this run asks {len(plan.partitions)} x {plan.buckets}). Give every "
-                f"task the same --partitions and --buckets, or remove {root} to start over."
+                f"{root} holds the stages of another plan ({what}; this run asks {len(plan.partitions)} x "
+                f"{plan.buckets}). Give every task the same --partitions and --buckets, or remove {root} to "
+                f"start over."
             )
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -151,7 +158,11 @@ def run_stages(
     counters = []
     for k in range(len(plan.partitions)):
         part = part_done(ctx.s4(), k)
-        assert part is not None  # stage 4 is finished (checked just above)
+        if part is None:  # stage 4 is finished (checked just above), so its counters file is damaged
+            raise DataError(
+                f"The work file '{part_prefix(ctx.s4(), k)}.json' is damaged; the work folder is removed, so "
+                f"running the same command again redoes the work."
+            )
         counters.append(PartCounters.from_json(part))
     report = stage_report(counters, job.options)
     report["staged"] = {
