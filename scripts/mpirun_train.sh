@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# mpirun (Open MPI) launch without torchrun, as in the seed's pretrain.sh: MPI starts one process per device and
-# this script maps Open MPI's rank variables onto the ones torch.distributed reads (no elastic restarts here).
+# mpirun (Open MPI, MPICH) launch without torchrun, as in the seed's pretrain.sh: MPI starts one process per
+# device; `llmtrain train` reads the MPI rank variables itself (llmtrain.distributed.env, docs/launch.md), so this
+# script only finds the llmtrain executable (the one of this checkout's .venv first, then $LLMTRAIN, then PATH) and
+# is equivalent to `mpirun ... llmtrain train CONFIG.yaml`. No elastic restarts here: rerun the same command (exit
+# code 75 = preempted and saved) to resume.
 #   mpirun -n 32 --hostfile hosts -x MASTER_ADDR=node0 -x MASTER_PORT=29500 bash scripts/mpirun_train.sh CONFIG.yaml
 set -euo pipefail
-export RANK=${OMPI_COMM_WORLD_RANK:?run under mpirun}
-export WORLD_SIZE=${OMPI_COMM_WORLD_SIZE}
-export LOCAL_RANK=${OMPI_COMM_WORLD_LOCAL_RANK}
-export LOCAL_WORLD_SIZE=${OMPI_COMM_WORLD_LOCAL_SIZE}
-export MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR} MASTER_PORT=${MASTER_PORT:-29500}
-exec python -m llmtrain.cli train "$@"
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -n ${LLMTRAIN:-} ]]; then
+  exe=$LLMTRAIN
+elif [[ -x $here/.venv/bin/llmtrain ]]; then
+  exe=$here/.venv/bin/llmtrain
+elif command -v llmtrain >/dev/null 2>&1; then
+  exe=llmtrain
+else
+  echo "mpirun_train.sh: no llmtrain executable: set LLMTRAIN=/path/to/venv/bin/llmtrain or install llmtrain" >&2
+  exit 2
+fi
+exec "$exe" train "$@"

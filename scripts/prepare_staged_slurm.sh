@@ -25,7 +25,8 @@ TIME=${TIME:-12:00:00}
 mkdir -p logs
 
 # shellcheck disable=SC2086 # INPUT and OPTIONS are word-split on purpose
-STAGE_CMD="llmtrain prepare --input $INPUT --output $OUTPUT --tokenizer $TOKENIZER $OPTIONS --partitions $P --buckets $B"
+LLMTRAIN=${LLMTRAIN:-llmtrain}   # the llmtrain executable (e.g. /path/to/.venv/bin/llmtrain)
+STAGE_CMD="$LLMTRAIN prepare --input $INPUT --output $OUTPUT --tokenizer $TOKENIZER $OPTIONS --partitions $P --buckets $B"
 
 submit() {  # submit STAGE ARRAY MEM [DEPENDENCY] -> job id
     local stage=$1 array=$2 mem=$3 dep=${4:-}

@@ -41,10 +41,16 @@ def debug_cfg(*overrides: str) -> Config:
 
 
 def write_dataset(prefix: Path, sha: str, vocab: int) -> str:
-    """A dataset prefix with a manifest in the `prepare` format (the .bin/.idx are empty placeholders)."""
+    """A dataset prefix with a manifest in the `prepare` format: one 10-token document (ids 0-9) in a real
+    MMIDIDX .bin/.idx (check verifies the index), the manifest naming a tokenizer by sha only."""
+    import numpy as np
+
+    from llmtrain.data.indexed import IndexedDatasetWriter
+
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    for suffix in (".bin", ".idx"):
-        Path(f"{prefix}{suffix}").write_bytes(b"")
+    writer = IndexedDatasetWriter(str(prefix), np.dtype("uint16"))
+    writer.add_document(np.arange(10, dtype=np.uint16))
+    writer.finalize()
     manifest = {
         "format": "llmtrain.tokens",
         "version": 1,
@@ -155,7 +161,7 @@ def test_unknown_key_names_file_key_and_suggestion(tmp_path):
         ("train.compile=3", "train.compile: expected true or false, got 3"),
         ("data.datasets=x", "data.datasets: expected a list, got 'x'"),
         ("model={a: 1}", "unknown key 'model.a'"),
-        ("train.lr=.nan", "train.lr: expected a number, got nan"),
+        ("train.lr=.nan", "train.lr: expected a number > 0, got nan"),
     ],
 )
 def test_wrong_types(tmp_path, override, expected):

@@ -193,11 +193,6 @@ def test_mask_is_the_dense_mask_at_global_positions(cp, window, alibi):
 @pytest.mark.parametrize(
     "world, parallel, model, needle",
     [
-        (4, {"context_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 4}, {"num_layers": 4},
-         "context_parallel 2 with pipeline_parallel 2 is not supported"),
-        (2, {"context_parallel": 2}, {"model_type": "qwen3", "flavor": "debug_moe"},
-         "context_parallel 2 with an MoE model or expert_parallel is not supported"),
-        (2, {"context_parallel": 2, "cpu_offload": True}, {}, "with parallel.cpu_offload is not supported"),
         (2, {"context_parallel": 2}, {"seq_length": 34}, "model.seq_length 34 must be divisible by 2 x"),
         (8, {"context_parallel": 4, "tensor_parallel": 2}, {"seq_length": 36},
          "use a multiple of 8 such as 32"),

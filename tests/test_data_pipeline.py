@@ -134,6 +134,46 @@ def test_tokenizer_mismatch_with_existing_output(tmp_path, tok_file):
     assert read_manifest(str(tmp_path / "ds"))["tokenizer"]["sha256"] == m["tokenizer"]["sha256"]
 
 
+@pytest.mark.parametrize("dedup", ["none", "exact"])
+def test_partitions_merge_equals_one_process_bytes(tmp_path, tok_file, dedup):
+    """N partitions + merge write the one-process dataset byte for byte: merge interleaves each input file's
+    parts back by id (file, line). Exact duplicates within and across files and partitions, a blank line, a
+    whole-file document; the manifests differ only in prepare.key (the partition is in the job's identity) and
+    the report (per-partition sums, cross-partition removals)."""
+    docs = [f"{t} ({i})" for i, t in enumerate(TEXTS[:11])]
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[:6] + docs[1:2] + docs[6:8]) + "\n")
+    (tmp_path / "b.txt").write_text(docs[3])  # one document: an exact copy of a's 4th
+    c = jsonl(tmp_path / "c.jsonl", [docs[0], *docs[8:], docs[9], docs[5]])
+    inputs = [str(a), str(tmp_path / "b.txt"), str(c)]
+    opts = {"dedup": dedup, "num_shards": 2}
+    one = prepare(inputs, str(tmp_path / "one/ds"), tokenizer=tok_file, log=None, options=opts)
+    for i in range(3):
+        prepare(inputs, str(tmp_path / "p/ds"), tokenizer=tok_file, log=None, options=opts, partition=(i, 3))
+    merged = merge(str(tmp_path / "p/ds"), log=None)
+    assert one["documents"] == merged["documents"] == (11 if dedup == "exact" else 16)
+    for shard in ("ds_00000", "ds_00001"):
+        for ext in (".bin", ".idx"):
+            assert (tmp_path / "p" / f"{shard}{ext}").read_bytes() == (
+                tmp_path / "one" / f"{shard}{ext}"
+            ).read_bytes()
+    one, merged = read_manifest(str(tmp_path / "one/ds")), read_manifest(str(tmp_path / "p/ds"))
+    differ = {"prepare", "report", "manifest_sha256"}
+    assert {k: v for k, v in one.items() if k not in differ} == {
+        k: v for k, v in merged.items() if k not in differ
+    }
+    assert one["prepare"]["options"] == merged["prepare"]["options"]
+    if dedup == "none":  # ids mean "file k, line": partitions of other --input lists do not merge
+        for i, given in enumerate((inputs, inputs[:2])):
+            prepare(
+                given, str(tmp_path / "q/ds"), tokenizer=tok_file, log=None, options=opts, partition=(i, 2)
+            )
+        with pytest.raises(
+            DataError, match="1-of-2' was prepared from other inputs than .*0-of-2' \\(2 vs 3 files"
+        ):
+            merge(str(tmp_path / "q/ds"), log=None)
+
+
 def test_partitions_merge_with_cross_partition_dedup(tmp_path, tok_file):
     docs = [" ".join(f"t{i}y{j}" for j in range(60)) for i in range(10)]
     inputs = [str(jsonl(tmp_path / "a.jsonl", docs + docs[:4]))]  # 4 duplicates, in the other partitions

@@ -35,6 +35,23 @@ import pytest
             ["generate", "RUN", "--prompt", "x", "--max-new-tokens", "0"],
             "--max-new-tokens: expected an integer >= 1",
         ),
+        # launch: out of range before torchrun (its own assertion was a traceback for -1), a port past 65535
+        (
+            ["launch", "CFG", "--nproc-per-node", "1", "--max-restarts", "-1"],
+            "--max-restarts: expected an integer >= 0",
+        ),
+        (
+            ["launch", "CFG", "--nproc-per-node", "1", "--master-port", "99999"],
+            "--master-port: expected an integer in",
+        ),
+        (
+            ["launch", "CFG", "--nproc-per-node", "0"],
+            "--nproc-per-node: expected an integer in [1, 65536], got 0",
+        ),
+        (
+            ["launch", "CFG", "--nproc-per-node", "1", "--node-rank", "-1"],
+            "--node-rank: expected an integer >= 0",
+        ),
     ],
 )
 def test_bad_flags_exit_two_before_running(argv, needle, tmp_path):

@@ -29,13 +29,13 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import assert_same_adam_update
 from llmtrain.config import config_from_dict
 from llmtrain.distributed import float8
 from llmtrain.errors import ConfigError
 from llmtrain.models import FAMILIES, build_model
 from llmtrain.resolve import validate
 from llmtrain.train.trainer import Trainer
-from conftest import assert_same_adam_update
 from test_parallel import base, close, launch  # tests/ is on sys.path under pytest
 
 HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None

@@ -5,7 +5,9 @@ The fixtures in tests/fixtures/mindformers/ are our own files with the key struc
 pretraining configs (llama2 7B r1.3, qwen3 32B, qwen3_moe 30B-A3B, deepseek3 671B r1.5). The references are
 independent of the adapter: the published parameter counts (and the exact Hugging Face counts), the global
 batch computed here from the YAML by MindFormers' own rule (trainer/base_trainer.py), a DeepSeek-V3 parameter
-count written out by hand from its MLA / MoE shapes, and LR values from the closed-form schedule.
+count written out by hand from its MLA / MoE shapes, and LR values from the closed-form schedule. Values of the
+wrong type (a string, a float or a list where MindFormers reads a count, a number or a flag) are refused through
+`llmtrain check` naming the file and the key, the file unchanged.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ CASES = [
     (LLAMA2, 8, ["train.max_steps=1000"], "llama3", 6.74e9, 6_738_415_616),
     (QWEN3, 32, [], "qwen3", 32.8e9, 32_762_123_264),
     (QWEN3_MOE, 8, [], "qwen3", 30.5e9, 30_532_122_624),
+    (DEEPSEEK3, 1024, [], "deepseek_v3", 671e9, 671_026_404_352),  # EP 8 x TP 4
 ]
 
 
@@ -92,6 +95,47 @@ def test_check_maps_the_model_and_the_batch(capsys, path, world, overrides, fami
     cfg = resolved(out)
     assert cfg["train"]["batch_size"] == gbs
     assert cfg["parallel"]["data_parallel"] * cfg["parallel"]["tensor_parallel"] * cfg["parallel"]["pipeline_parallel"] == world  # fmt: skip
+
+
+# the published files' own layouts where our fixtures use another (mindformers r1.8 configs/qwen3/
+# pretrain_qwen3_32b_4k.yaml and configs/qwen3_moe/pretrain_qwen3_30b_a3b_4k.yaml: dp 1 x mp 4 x pp 4, the MoE's
+# 128 experts over expert parallel 4, carved from the tensor-parallel ranks); llama2 r1.3 and deepseek3 r1.5 are
+# CASES as they are
+PUBLISHED_LAYOUTS = [
+    (
+        QWEN3,
+        {"data_parallel": 1, "model_parallel": 4, "pipeline_stage": 4, "micro_batch_num": 4},
+        "qwen3",
+        32_762_123_264,
+    ),  # fmt: skip
+    (
+        QWEN3_MOE,
+        {
+            "data_parallel": 1,
+            "model_parallel": 4,
+            "pipeline_stage": 4,
+            "micro_batch_num": 16,
+            "expert_parallel": 4,
+        },
+        "qwen3",
+        30_532_122_624,
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("path", "layout", "family", "exact"), PUBLISHED_LAYOUTS, ids=lambda v: getattr(v, "stem", None))  # fmt: skip
+def test_check_on_the_published_layouts(capsys, tmp_path, path, layout, family, exact):
+    def publish(cfg):
+        cfg["parallel_config"].update(layout)
+        cfg["runner_config"]["gradient_accumulation_steps"] = 1
+
+    variant, before = _variant(tmp_path, path, "published.yaml", publish)
+    code, out, err = run_check(capsys, variant, 16)
+    assert code == 0, err
+    assert derived(out, "model").startswith(f"{family}:") and parameters(out) == exact
+    gbs = mindformers_global_batch(raw(variant))  # 1 x dp 1 x micro_batch_num x 1
+    assert gbs == layout["micro_batch_num"] and derived(out, "global batch").startswith(f"{gbs} sequences")
+    assert variant.read_bytes() == before
 
 
 def test_llama2_1x_keys(capsys):
@@ -163,11 +207,16 @@ def test_qwen3_moe_2x_keys(capsys):
     cfg, notes = resolved(out), section(out, "notes")
     moe = cfg["model"]["moe"]
     assert (cfg["model"]["model_type"], cfg["model"]["qk_norm"]) == ("qwen3", True)
-    assert (moe["num_experts"], moe["top_k"], moe["moe_hidden_size"], moe["route_norm"]) == (128, 8, 768, True)  # fmt: skip
-    assert (moe["aux_loss_coef"], moe["capacity_factor"], moe["shared_experts"], moe["router_score"]) == (0.001, None, 0, "softmax")  # fmt: skip
+    # norm_topk_prob False, routed_scaling_factor 1.5: the real file's routing, read as MindFormers' router does
+    assert (moe["num_experts"], moe["top_k"], moe["moe_hidden_size"], moe["route_norm"]) == (128, 8, 768, False)  # fmt: skip
+    assert (moe["routed_scaling_factor"], moe["pre_softmax"], moe["router_fp32"], moe["n_group"]) == (1.5, True, True, 1)  # fmt: skip
+    # moe_aux_loss_coeff 0.001 over the global batch (gbs_aux_loss); no capacity, so the drop policy has no effect
+    assert (moe["aux_loss_coef"], moe["aux_loss_scope"], moe["capacity_factor"], moe["drop_policy"]) == (0.001, "global_batch", None, "probs")  # fmt: skip
+    assert (moe["shared_experts"], moe["router_score"]) == (0, "softmax")
     assert cfg["parallel"]["expert_parallel"] == 8 and cfg["train"]["max_steps"] == 16000 // 16
     assert "active per token 3.35B" in derived(out, "parameters")
-    assert "gbs_aux_loss" in notes and "router_aux_loss_coef" in notes and "moe_grouped_gemm" in notes
+    assert "gbs_aux_loss' -> model.moe.aux_loss_scope global_batch" in notes
+    assert "router_aux_loss_coef" in notes and "moe_grouped_gemm" in notes
 
 
 def test_pipeline_ignores_gradient_accumulation(tmp_path):
@@ -185,13 +234,10 @@ def test_pipeline_ignores_gradient_accumulation(tmp_path):
 
 
 def test_deepseek3_maps_onto_the_deepseek_v3_family(capsys):
-    """The deepseek3 671B file maps onto model_type deepseek_v3 (MLA + DeepSeekMoE): check names the one part of
-    its layout llmtrain lacks (expert parallel together with tensor parallel); with TP 4 and no EP it passes on
-    the 1024 ranks, and without TP, on the 256 ranks left (pp 16 x dp 16, the experts sharded over the 16
-    data-parallel ranks), it passes with the 671B model. The MTP layer is left out."""
-    code, out, err = run_check(capsys, DEEPSEEK3, 1024)
-    assert code == 2 and out == "" and "Traceback" not in err
-    assert "parallel.expert_parallel 8 together with parallel.tensor_parallel 4 is not supported" in err
+    """The deepseek3 671B file maps onto model_type deepseek_v3 (MLA + DeepSeekMoE): its own layout (EP 8 with
+    TP 4 on 1024 ranks) passes (CASES), so does TP 4 without EP, and without TP, on the 256 ranks left (pp 16 x
+    dp 16, the experts sharded over the 16 data-parallel ranks), it passes with the 671B model. The MTP layer is
+    left out."""
     code, out, err = run_check(capsys, DEEPSEEK3, 1024, "parallel.expert_parallel=1")
     assert code == 0, err
     code, out, err = run_check(
@@ -216,6 +262,7 @@ def test_deepseek3_maps_onto_the_deepseek_v3_family(capsys):
         "num_experts": 256, "top_k": 8, "moe_hidden_size": 2048, "shared_experts": 1, "router_score": "sigmoid",
         "route_norm": True, "aux_loss_coef": 0.0001, "bias_update_rate": 0.001, "capacity_factor": 1.5,
         "first_dense_layers": 3, "every": 1, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+        "aux_loss_scope": "micro_batch", "pre_softmax": True, "router_fp32": True, "drop_policy": "position",
     }  # fmt: skip
     assert (native["parallel"]["expert_parallel"], native["recompute"]["mode"]) == (8, "full")
     # the fixture is DeepSeek-V3-sized: its MLA + MoE parameters, written out by hand, are the published 671B
@@ -247,11 +294,11 @@ def test_unknown_and_refused_keys(tmp_path):
     ):
         load(cfg, "typo.yaml")
     cfg = raw(QWEN3_MOE)
-    cfg["model"]["model_config"]["routed_scaling_factor"] = 1.5
+    cfg["model"]["model_config"]["mtp_depth"] = 1
     with pytest.raises(
-        ConfigError, match=r"model\.model_config\.routed_scaling_factor: 1\.5 is not supported"
+        ConfigError, match=r"model\.model_config\.mtp_depth: 1 is not supported: it is a DeepSeek-V3"
     ):
-        load(cfg, "scaled.yaml")
+        load(cfg, "mtp.yaml")
     cfg = raw(QWEN3)
     cfg["model"]["model_config"]["hidden_dropout"] = 0.1
     with pytest.raises(
@@ -359,3 +406,101 @@ def test_no_key_is_dropped_silently(path):
         and not any(".".join(leaf.split(".")[:i]) in words for i in range(1, leaf.count(".") + 1))
     ]  # fmt: skip
     assert unnamed == []
+
+
+def _variant(tmp_path: Path, path: Path, name: str, edit) -> tuple[Path, bytes]:
+    """A copy of the fixture ``path`` with ``edit(cfg)`` applied, written as YAML; (its path, its bytes)."""
+    cfg = raw(path)
+    edit(cfg)
+    out = tmp_path / name
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return out, out.read_bytes()
+
+
+def test_llama2_checkpoint_name_is_dropped_as_mindformers_drops_it(capsys, tmp_path):
+    """checkpoint_name_or_path "llama2_7b" with run_mode train and an empty load_checkpoint: MindFormers' Trainer.train()
+    sets it to None and loads nothing, so check passes and says so; a load_checkpoint that MindFormers would load
+    is refused by name, the file untouched."""
+    assert raw(LLAMA2)["model"]["model_config"]["checkpoint_name_or_path"] == "llama2_7b"
+    code, out, err = run_check(capsys, LLAMA2, 8, "train.max_steps=1000")
+    assert code == 0, err
+    notes = section(out, "notes")
+    assert "checkpoint_name_or_path: 'llama2_7b' dropped, as MindFormers drops it" in notes
+    assert resolved(out)["model"]["init_from"] is None
+
+    def load_weights(cfg):
+        cfg["load_checkpoint"] = "/ckpt/llama2_7b.ckpt"
+
+    path, before = _variant(tmp_path, LLAMA2, "load.yaml", load_weights)
+    code, out, err = run_check(capsys, path, 8, "train.max_steps=1000")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert (
+        f"{path}: load_checkpoint: '/ckpt/llama2_7b.ckpt' is not supported" in err
+        and "model.init_from" in err
+    )
+    assert path.read_bytes() == before
+
+
+def _set(dotted: str, value):
+    def edit(cfg):
+        *parents, key = dotted.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[key] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "value", "expected"),
+    [
+        (LLAMA2, "model.model_config.num_layers", "32", "an integer >= 1"),
+        (LLAMA2, "model.model_config.num_layers", 32.0, "an integer >= 1"),
+        (LLAMA2, "model.model_config.num_layers", [32], "an integer >= 1"),
+        (QWEN3, "model.model_config.num_hidden_layers", "64", "an integer >= 1"),
+        (QWEN3, "model.model_config.rms_norm_eps", "1.0e-6", "a number > 0"),
+        (QWEN3_MOE, "model.model_config.num_experts_per_tok", 8.0, "an integer >= 1"),
+        (QWEN3_MOE, "model.model_config.routed_scaling_factor", "1.5", "a number > 0"),
+        (QWEN3_MOE, "model.model_config.norm_topk_prob", "False", "true or false"),
+        (DEEPSEEK3, "moe_config.expert_num", [256], "an integer >= 0"),
+        (LLAMA2, "parallel_config.data_parallel", "8", "an integer >= 1"),
+        (LLAMA2, "runner_config.batch_size", 1.5, "an integer >= 1"),
+        (QWEN3, "optimizer.weight_decay", "0.1", "a number >= 0"),
+        (QWEN3, "lr_schedule.warmup_ratio", [0.01], "a number >= 0"),
+    ],
+    ids=lambda v: v.stem if isinstance(v, Path) else None,
+)
+def test_values_of_the_wrong_type_are_named(capsys, tmp_path, path, key, value, expected):
+    """A MindFormers key holding a string, a float or a list where MindFormers reads a number or a flag: one
+    ConfigError naming the file and the key, exit 2, no traceback, nothing on stdout, the file unchanged."""
+    bad, before = _variant(tmp_path, path, "bad.yaml", _set(key, value))
+    world = {LLAMA2: 8, QWEN3: 32, QWEN3_MOE: 8, DEEPSEEK3: 1024}[path]
+    code, out, err = run_check(capsys, bad, world, "train.max_steps=10")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"{bad}: {key}: expected {expected}, got {value!r}" in err, err
+    assert bad.read_bytes() == before
+
+
+SEED_FLAT = Path(__file__).parent.parent / "configs" / "seed" / "pretrain_llama3_70b_64card.yaml"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("model_config.num_layers", "80", "an integer"),
+        ("model_config.num_layers", 80.0, "an integer"),
+        ("parallel_config.data_parallel", [8], "an integer"),
+        ("model_config.rms_norm_eps", "1.0e-5", "a number"),
+    ],
+)
+def test_flat_layout_values_of_the_wrong_type_are_named(capsys, tmp_path, key, value, expected):
+    """The seeds' flat layout reads through the same typed helper: the native key's type, the MindFormers key named
+    (its own ``rms_norm_eps: 1e-5``, a string to YAML 1.1, still reads as the number)."""
+    assert load_config(SEED_FLAT)[0].model.rms_norm_eps == 1e-5
+    bad, before = _variant(tmp_path, SEED_FLAT, "flat.yaml", _set(key, value))
+    code = main(["check", str(bad)])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and "Traceback" not in out.err
+    assert f"{bad}: {key}: expected {expected}, got {value!r}" in out.err, out.err
+    assert bad.read_bytes() == before

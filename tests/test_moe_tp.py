@@ -11,8 +11,8 @@ multiplied by the TP degree. One launch runs these five (the worker merges each 
 second one ZeRO-3 DP2 x TP2 on 4 ranks for deepseek_v3. The plan puts every parameter where the design says
 (routed experts ``Shard(1)`` / ``Shard(2)``, router and latent projections replicated, MLA heads and shared
 experts column/row-parallel; checked in-process on a 1-rank gloo group).
-``llmtrain check`` passes MoE with tensor_parallel 2 and names the two refusals that are left: expert parallel
-together with TP (``ep_with_tp``) and an expert width TP does not divide (``tp_moe_ffn``).
+``llmtrain check`` passes MoE with tensor_parallel 2 (and with expert_parallel too: tests/test_compose_moe.py)
+and names the refusal that is left: an expert width TP does not divide (``tp_moe_ffn``).
 """
 
 from __future__ import annotations
@@ -100,8 +100,7 @@ def test_check_accepts_moe_with_tensor_parallel(tiny_corpus, tmp_path, capsys):
     rc, err = check(4, "parallel.tensor_parallel=2", "parallel.zero_stage=3")
     assert rc == 0 and err == ""
     rc, err = check(4, "parallel.tensor_parallel=2", "parallel.expert_parallel=2", "parallel.zero_stage=3")
-    assert rc == 2 and "not supported yet" not in err
-    assert "parallel.expert_parallel 2 together with parallel.tensor_parallel 2 is not supported" in err
+    assert rc == 0 and err == ""  # EP x TP: tests/test_compose_moe.py
     rc, err = check(2, "parallel.tensor_parallel=2", "model.moe.moe_hidden_size=63")
     assert rc == 2 and "model.moe.moe_hidden_size 63 is not divisible by parallel.tensor_parallel 2" in err
     assert "(1, 3, 7, 9, 21, 63)" in err

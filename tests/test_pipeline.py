@@ -154,16 +154,13 @@ def test_bad_pipeline_layouts_are_config_errors(parallel, world, needle, tiny_co
     assert needle in str(e.value), str(e.value)
 
 
-def test_tied_embeddings_and_context_parallel_are_config_errors(tiny_corpus):
+def test_tied_embeddings_are_config_errors(tiny_corpus):
+    """(Context parallel under PP trains: tests/test_compose.py.)"""
     cfg = pp_base(tiny_corpus, "llama3")
     cfg["model"]["tie_word_embeddings"] = True
     cfg["parallel"] = dict(PP)
     with pytest.raises(ConfigError, match="tied input/output embeddings"):
         validate(config_from_dict(cfg), world_size=2)
-    cfg = pp_base(tiny_corpus, "llama3")
-    cfg["parallel"] = {**PP, "context_parallel": 2}
-    with pytest.raises(ConfigError, match="context_parallel 2 with pipeline_parallel 2 is not supported"):
-        validate(config_from_dict(cfg), world_size=4)
 
 
 def test_even_and_uneven_split_names(tiny_corpus):

@@ -239,7 +239,7 @@ def _base_config(*overrides: str):
     [
         ("dense-8b", ["model.flavor=8b", "model.seq_length=16384", "train.batch_size=32"], "16xh100", True),
         ("moe", ["model.flavor=debug", "model.moe.num_experts=8", "model.moe.top_k=2", "model.seq_length=4096",
-                 "train.batch_size=16", "parallel.expert_parallel=1"], "8xh100", False),
+                 "train.batch_size=16", "parallel.expert_parallel=1"], "8xh100", True),  # CP x MoE composes
         ("pp-70b", ["model.flavor=70b", "model.seq_length=8192", "train.batch_size=64"], "64xh100", True),
     ],
 )  # fmt: skip
@@ -258,25 +258,27 @@ def test_search_proposes_only_layouts_training_accepts(name, overrides, cluster,
     cands = candidate_layouts(args, base, cl, tokens // base.seq_length)
     assert cands
     assert any(c.cp > 1 for c in cands) == cp_expected
-    assert all(c.pp == 1 and c.tp * c.cp * c.dp == cl.num_devices for c in cands if c.cp > 1)
+    assert all(c.tp * c.cp * c.dp * c.pp == cl.num_devices for c in cands if c.cp > 1)
     seen = set()
     for c in cands:  # every distinct layout through the trainer's own validation: no ConfigError
-        key = (c.tp, c.pp, c.cp, c.zero_stage, c.schedule, c.virtual_stages)  # (one micro-batch size each)
+        # one micro-batch size each
+        key = (c.tp, c.pp, c.cp, c.ep, c.zero_stage, c.schedule, c.virtual_stages)
         if key in seen:
             continue
         seen.add(key)
         par = replace(cfg.parallel, tensor_parallel=c.tp, pipeline_parallel=c.pp, context_parallel=c.cp,
-                      data_parallel=c.dp, zero_stage=c.zero_stage, schedule=c.schedule,
+                      data_parallel=c.dp, expert_parallel=c.ep, zero_stage=c.zero_stage, schedule=c.schedule,
                       virtual_stages=c.virtual_stages, pipeline_layers=None)  # fmt: skip
         run = replace(cfg, parallel=par, train=replace(cfg.train, micro_batch_size=c.micro_batch_size))
         check_config(run, cl.num_devices, require_data=False)
     if name == "pp-70b":
         assert any(c.pp > 1 for c in cands) and any(c.cp > 1 for c in cands)
-    # the context-parallel refusals hold in the search too: compile or fp8 remove every cp > 1 layout
+    # context parallel composes with compile and fp8 now (tests/test_compose.py): the search keeps cp > 1 for
+    # them; fp8 still refuses tensor parallel (distributed/float8.py)
     compiled = candidate_layouts(args, base, cl, tokens // base.seq_length, compile=True)
-    assert compiled and all(c.cp == 1 for c in compiled)
+    assert compiled and any(c.cp > 1 for c in compiled) == cp_expected
     fp8 = candidate_layouts(args, replace(base, fp8="tensorwise"), cl, tokens // base.seq_length)
-    assert all(c.cp == 1 and c.tp == 1 for c in fp8)
+    assert all(c.tp == 1 for c in fp8)
 
 
 # ------------------------------------------------------------------------------------ chunked loss, offload

@@ -57,8 +57,7 @@ RULES: dict[str, Rule] = {
     "dp_value": Rule(_F, "degrees", _P + "data_parallel"),                 # dp not -1 and < 1
     "world_product": Rule(_F, "degrees", _P + "data_parallel"),            # dp x tp x pp x cp != world
     "hsdp_replicate": Rule(_F, "degrees", _P + "data_parallel_replicate"), # replicate does not divide dp
-    "ep_divides": Rule(_F, "degrees", _P + "expert_parallel"),             # ep does not divide dp x cp
-    "context_parallel": Rule(_F, "unsupported", _P + "context_parallel"),  # cp with PP / MoE / ... (context_rules)
+    "ep_divides": Rule(_F, "degrees", _P + "expert_parallel"),             # ep does not divide dp x cp x tp
     "cp_seq": Rule(_F, "split", "model.seq_length"),                       # seq % 2cp, (seq / cp) % tp
     "tp_heads": Rule(_F, "split", _P + "tensor_parallel"),                 # num_heads % tp
     "tp_kv_heads": Rule(_F, "split", _P + "tensor_parallel"),              # num_kv_heads % tp
@@ -67,10 +66,7 @@ RULES: dict[str, Rule] = {
     "tp_vocab": Rule(_W, "advice", "model.vocab_size"),                    # vocab % tp: uneven shards
     "tp_compile": Rule(_W, "advice", "train.compile"),                     # compile with tp > 1: runs eager
     "tp_moe_ffn": Rule(_F, "split", _P + "tensor_parallel"),               # moe_hidden_size % tp (moe_rules)
-    "ep_with_tp": Rule(_F, "unsupported", _P + "expert_parallel"),         # ep > 1 with tp > 1 (moe_rules)
     "ep_without_moe": Rule(_F, "unsupported", _P + "expert_parallel"),     # ep > 1, no MoE blocks
-    "ep_equals_dp": Rule(_F, "unsupported", _P + "expert_parallel"),       # ep > 1 and ep != dp
-    "ep_hsdp": Rule(_F, "unsupported", _P + "data_parallel_replicate"),    # ep > 1 with HSDP
     "ep_experts": Rule(_F, "split", _P + "expert_parallel"),               # num_experts % ep
     "alltoall_without_ep": Rule(_W, "advice", _P + "enable_alltoall"),     # enable_alltoall with ep 1
     "pipeline_layers_without_pp": Rule(_F, "schedule", _P + "pipeline_layers"),  # pipeline_layers, pp 1
@@ -90,7 +86,7 @@ RULES: dict[str, Rule] = {
     "pp_bubble": Rule(_W, "advice", _P + "micro_batch_num"),               # micro-batches < pp (not 1f1b)
     "pp_microbatch_size": Rule(_W, "advice", "train.micro_batch_size"),    # pipeline micro-batch != it
     "pp_zero3": Rule(_W, "advice", _P + "zero_stage"),                     # ZeRO 3 under pp runs as 2
-    "cpu_offload_without_dp": Rule(_F, "unsupported", _P + "cpu_offload"), # offload with dp 1
+    "cpu_offload_without_dp": Rule(_F, "unsupported", _P + "cpu_offload"), # offload with dp x cp 1
     "zero_without_dp": Rule(_W, "advice", _P + "zero_stage"),              # ZeRO > 0 with dp 1
     "zero1_as_zero2": Rule(_W, "advice", _P + "zero_stage"),               # ZeRO 1 runs as 2 on FSDP2
 }
@@ -235,11 +231,12 @@ def degree_problems(p: ParallelConfig, world_size: int) -> list[Problem]:
             f"parallel.data_parallel_replicate {rep} does not divide the data-parallel size {dp} (HSDP needs "
             f"data_parallel = replicate x shard); use one of {_divisors(dp)}.",
         )
-    elif (dp * cp) % ep:
+    elif (dp * cp * tp) % ep:
         out.add(
             "ep_divides",
-            f"parallel.expert_parallel {ep} must divide data-parallel x context-parallel ({dp} x {cp} = "
-            f"{dp * cp}): expert-parallel ranks are taken from those.",
+            f"parallel.expert_parallel {ep} must divide data-parallel x context-parallel x tensor-parallel "
+            f"({dp} x {cp} x {tp} = {dp * cp * tp}): expert-parallel ranks are taken from those (the ranks of "
+            f"one pipeline stage); use one of {_divisors(dp * cp * tp)}.",
         )
     return out
 
@@ -307,12 +304,13 @@ def layout_problems(cfg: Config, world_size: int, model: ModelShape | None = Non
         out.add("alltoall_without_ep", msg)
     _pipeline(out, cfg, model, dims.pp, dp)
     zero = p.effective_zero_stage()
-    if p.cpu_offload and dp == 1:
+    if p.cpu_offload and dp * dims.cp == 1:
         out.add(
             "cpu_offload_without_dp",
-            "parallel.cpu_offload needs a data-parallel size > 1 (it is FSDP2's offload policy, and FSDP wraps "
-            "the model only under data parallelism); here it is 1. Set parallel.cpu_offload: false, or run with "
-            "a data-parallel size >= 2.",
+            "parallel.cpu_offload needs a data-parallel or context-parallel size > 1 (it is FSDP2's offload "
+            "policy, and FSDP wraps the model only when it shards over data-parallel x context-parallel ranks); "
+            "here both are 1. Set parallel.cpu_offload: false, or run with a data-parallel (or "
+            "context_parallel) size >= 2.",
         )
     if zero > 0 and dp == 1:
         out.add("zero_without_dp", f"ZeRO stage {zero} has no effect with a data-parallel size of 1.")

@@ -1,11 +1,14 @@
 """The MoE and expert-parallel layout rules, torch-free; :func:`llmtrain.feasibility.layout_problems` reports them.
 
-Tensor parallel splits every expert by hidden units (``models/common/moe_tp.py``), so ``moe_hidden_size`` must
-divide by ``tensor_parallel`` (rule ``tp_moe_ffn``, kind ``split``). Expert parallel (distributed/expert_parallel.py)
-borrows the data-parallel ranks: ``ep == dp``, no HSDP, ``num_experts % ep == 0``, a model with MoE blocks; and
-it is not combined with tensor parallel in this version (rule ``ep_with_tp``: the experts would need a 2-D
-``[dp, tp]`` layout and the dispatch an order with the TP hooks, neither of which is built or tested). The
-rule names and verdicts are listed in ``feasibility.RULES``.
+Expert parallel (distributed/expert_parallel.py) regroups the ``dp x cp x tp`` ranks of a pipeline stage as an
+expert mesh ``edp x ep x etp`` (:func:`expert_tp` picks ``etp``): EP inside the data-parallel ranks with the
+experts' replicas reduced over ``edp`` (ep < dp, HSDP included), EP together with tensor parallel either as
+expert-TP (``etp = tp``: experts split over EP and their hidden units over TP) or, when ``ep`` does not divide
+``dp x cp``, with EP drawn from the ``dp x cp x tp`` ranks and whole experts (``etp = 1``). What cannot divide is
+refused: ``ep`` must divide ``dp x cp x tp`` (``feasibility.degree_problems``, rule ``ep_divides``) and
+``num_experts`` (``ep_experts``); split hidden units need ``moe_hidden_size % tp`` (``tp_moe_ffn``); and EP needs
+MoE blocks (``ep_without_moe``). Context parallel composes with MoE and EP (``distributed/context_parallel.py``
+spans the router's statistics over the CP ranks). The rule names and verdicts are listed in ``feasibility.RULES``.
 """
 
 from __future__ import annotations
@@ -17,43 +20,32 @@ def _divisors(n: int) -> str:
     return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
 
 
+def expert_tp(dims: Any) -> int:
+    """The expert tensor-parallel degree of the degrees ``dims``: ``tp`` when ``ep`` divides ``dp x cp`` (EP
+    drawn from the data-parallel ranks, expert hidden units split over TP, Megatron's default expert-TP; also
+    every layout without EP), else 1 (EP drawn from the ``dp x cp x tp`` ranks, whole experts)."""
+    return dims.tp if (dims.dp * dims.cp) % dims.ep == 0 else 1
+
+
 def moe_problems(model: Any, dims: Any) -> list[tuple[str, str]]:
     """``(rule, message)`` for each MoE / EP rule that applies to the resolved model shape ``model`` with the
     degrees ``dims`` (``feasibility.Degrees``); at most one, the first that applies."""
-    n, ep, dp, tp = model.num_experts, dims.ep, dims.dp, dims.tp
+    n, ep, tp = model.num_experts, dims.ep, dims.tp
     width = getattr(model, "moe_hidden_size", 0)
-    if n and tp > 1 and width % tp:
+    splits = expert_tp(dims) > 1 or getattr(model, "shared_experts", 0) > 0  # what TP splits by hidden units
+    if n and tp > 1 and width % tp and splits:
         return [(
             "tp_moe_ffn",
             f"model.moe.moe_hidden_size {width} is not divisible by parallel.tensor_parallel {tp} (tensor "
-            f"parallel splits every expert's hidden units across the tensor-parallel ranks); use a "
-            f"tensor_parallel that divides it ({_divisors(width)}) and the attention heads.",
-        )]  # fmt: skip
-    if ep > 1 and tp > 1 and n and model.num_moe_layers:
-        return [(
-            "ep_with_tp",
-            f"parallel.expert_parallel {ep} together with parallel.tensor_parallel {tp} is not supported in this "
-            "version: an MoE model trains with tensor parallel (experts split by hidden units) when "
-            "expert_parallel is 1, or with expert parallel (experts sharded over the data-parallel ranks) when "
-            "tensor_parallel is 1; set one of them to 1.",
+            f"parallel splits the hidden units of every routed expert, and of the shared experts, across the "
+            f"tensor-parallel ranks); use a tensor_parallel that divides it ({_divisors(width)}) and the "
+            f"attention heads.",
         )]  # fmt: skip
     if ep > 1 and not (n and model.num_moe_layers):
         return [(
             "ep_without_moe",
             f"parallel.expert_parallel {ep} but the model has no MoE blocks: set model.moe.num_experts > 0 (or "
             "a MoE flavor such as qwen3 debug_moe), or expert_parallel: 1.",
-        )]  # fmt: skip
-    if ep > 1 and ep != dp:
-        return [(
-            "ep_equals_dp",
-            f"parallel.expert_parallel {ep} must equal the data-parallel size {dp} in this version (experts "
-            f"are sharded over all data-parallel ranks); set expert_parallel to {dp} or 1.",
-        )]  # fmt: skip
-    if ep > 1 and dims.dp_replicate > 1 and dims.dp_shard > 1:
-        return [(
-            "ep_hsdp",
-            f"parallel.expert_parallel {ep} with HSDP (parallel.data_parallel_replicate {dims.dp_replicate} x "
-            f"shard {dims.dp_shard}, ZeRO > 0) is not supported yet; set data_parallel_replicate: 1.",
         )]  # fmt: skip
     if ep > 1 and n % ep:
         return [(

@@ -4,7 +4,8 @@
 
 SPEC: {"base": config dict, "steps": k, "variants": {name: nested overrides}}. For every variant every rank
 builds a Trainer (sharing the process group) and takes k steps; rank 0 writes {name: {"loss": [...],
-"grad_norm": [...]}} to OUT. Launching once per world size keeps the suite fast (torch import ~2 s/process).
+"grad_norm": [...], "step_s": [...]}} to OUT (step_s: rank 0's wall seconds per step, for the record).
+Launching once per world size keeps the suite fast (torch import ~2 s/process).
 
 Variant options (popped before the config is merged): ``count_comm`` (True: the bytes every collective of
 torch.distributed's API moves, per step and per call name, from wrapped real calls: ``CommCounter``),
@@ -17,6 +18,7 @@ import copy
 import json
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -85,17 +87,21 @@ def main() -> None:
         with_val = over.pop("validate", False)  # True: also report the validation loss after the steps
         dump = over.pop("dump_state", None)  # PATH: rank 0 torch.saves the full (gathered) model state dict
         cfg = merge(spec["base"], over)
-        cfg["run"]["output_dir"] = tempfile.mkdtemp(prefix=f"parity-{name}-")
+        out_dir = over.get("run", {}).get("output_dir")  # a variant may name its run directory (export tests)
+        cfg["run"]["output_dir"] = out_dir or tempfile.mkdtemp(prefix=f"parity-{name}-")
         trainer = Trainer(config_from_dict(cfg))
-        outs, comm = [], []
+        outs, comm, step_s = [], [], []
         for _ in range(spec["steps"]):
             if counter is not None:
                 counter.counting = count_comm
+            start = time.perf_counter()
             outs.append(trainer.train_step())
+            step_s.append(time.perf_counter() - start)
             if counter is not None:
                 counter.counting = False
                 comm.append(counter.take())
         results[name] = {"loss": [o["loss"] for o in outs], "grad_norm": [o["grad_norm"] for o in outs]}
+        results[name]["step_s"] = step_s  # rank 0's wall time of each step (for the record, not asserted)
         for key in ("moe_aux_loss", "moe_load_max_over_mean"):  # MoE runs: the logged balance figures
             if key in outs[0]:
                 results[name][key] = [o[key] for o in outs]

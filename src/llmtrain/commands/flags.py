@@ -8,17 +8,20 @@ import math
 from collections.abc import Callable
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An integer >= ``low`` (and <= ``high`` where given)."""
+    shown = f">= {low}" if high is None else f"in [{low}, {high}]"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected an integer {shown}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected an integer {shown}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = f"integer {shown}"
     return parse
 
 
@@ -64,3 +67,105 @@ def node_range(text: str) -> str:
             f"expected a node count N >= 1 or an elastic range MIN:MAX with 1 <= MIN <= MAX, got {text!r}"
         )
     return text
+
+
+# The seed's `run_llm_pretrain.py` / `run_mindformer.py` flags (pretrain.sh: `mpirun -n N python
+# run_llm_pretrain.py --config X --dataset_dir D --save_dir S --load_ckpt C`): each one that has a config key
+# becomes a dotted override placed before the user's own (so an explicit `section.key=value` wins); the rest are
+# refused by name with the llmtrain equivalent. Underscore and dash spellings are both accepted.
+SEED_FLAGS = {
+    "save_dir": ("checkpoint.save_dir", "where checkpoints go (checkpoint.save_dir)"),
+    "load_ckpt": ("checkpoint.resume", "checkpoint directory to start from (checkpoint.resume=PATH)"),
+    "dataset_dir": ("data.datasets", "dataset prefix, or a directory holding exactly one (data.datasets)"),
+    "auto_resume": ("checkpoint.resume", "True: resume from the newest checkpoint (checkpoint.resume=auto)"),
+}
+REFUSED_SEED_FLAGS = {
+    "use_parallel": "the layout comes from the parallel: section and the launcher's world size",
+    "run_mode": "`llmtrain train` trains; evaluation is `llmtrain eval`, generation `llmtrain generate`",
+}
+
+
+def add_seed_flags(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and the seed's flags of :data:`SEED_FLAGS` / :data:`REFUSED_SEED_FLAGS` on ``parser``."""
+    parser.add_argument(
+        "--config", dest="config_flag", default=None, help="YAML config file (the seed's spelling)"
+    )
+    for name, (_, text) in SEED_FLAGS.items():
+        parser.add_argument(
+            f"--{name}", f"--{name.replace('_', '-')}", dest=f"seed_{name}", default=None, help=text
+        )
+    for name in REFUSED_SEED_FLAGS:
+        parser.add_argument(
+            f"--{name}",
+            f"--{name.replace('_', '-')}",
+            dest=f"seed_{name}",
+            default=None,
+            help=argparse.SUPPRESS,
+        )
+
+
+def _truth(flag: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    from llmtrain.errors import ConfigError
+
+    raise ConfigError(f"--{flag} {text!r}: expected True or False.")
+
+
+def _dataset_prefix(path: str) -> str:
+    """``--dataset_dir``: a dataset prefix as is, or the one prefix (``*.idx``) inside a directory."""
+    import os
+    from pathlib import Path
+
+    from llmtrain.errors import ConfigError
+
+    p = Path(path)
+    if not p.is_dir():
+        return path  # a prefix (PREFIX.bin / .idx): checked with the rest of the data section
+    prefixes = sorted({str(f)[: -len(".idx")] for f in p.glob("*.idx")})
+    if len(prefixes) == 1:
+        return prefixes[0]
+    found = ", ".join(os.path.basename(x) for x in prefixes[:5]) or "none"
+    raise ConfigError(
+        f"--dataset_dir {path}: expected a dataset prefix (PREFIX.bin + PREFIX.idx, as `llmtrain prepare "
+        f"--output` writes) or a directory holding exactly one; found {len(prefixes)} prefixes there ({found}). "
+        "List several with their weights in data.datasets: [{path: PREFIX, weight: W}, ...]."
+    )
+
+
+def seed_flag_overrides(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """(config file, overrides) from the positional config or ``--config`` and the seed's flags."""
+    import json
+
+    from llmtrain.errors import ConfigError
+
+    config, flag = getattr(args, "config", None), getattr(args, "config_flag", None)
+    overrides = list(getattr(args, "overrides", []))
+    # with --config, argparse takes the first dotted override for the positional CONFIG: give it back
+    if flag is not None and config is not None and "=" in config:
+        config, overrides = None, [config, *overrides]
+    if config is not None and flag is not None:
+        raise ConfigError(f"the config is given twice ({config} and --config {flag}); give it once.")
+    config = config if config is not None else flag
+    if config is None:
+        raise ConfigError(
+            "no config file: give it as `llmtrain train CONFIG.yaml` or `--config CONFIG.yaml`."
+        )
+    for name, why in REFUSED_SEED_FLAGS.items():
+        if getattr(args, f"seed_{name}", None) is not None:
+            raise ConfigError(f"--{name} has no llmtrain equivalent: {why}. Remove it.")
+    out: list[str] = []
+    if getattr(args, "seed_auto_resume", None) is not None:
+        auto = _truth("auto_resume", args.seed_auto_resume)
+        out.append(f"checkpoint.resume={'auto' if auto else 'none'}")
+    if getattr(args, "seed_load_ckpt", None) is not None:
+        out.append(f"checkpoint.resume={json.dumps(args.seed_load_ckpt)}")
+    if getattr(args, "seed_save_dir", None) is not None:
+        out.append(f"checkpoint.save_dir={json.dumps(args.seed_save_dir)}")
+    if getattr(args, "seed_dataset_dir", None) is not None:
+        prefix = _dataset_prefix(args.seed_dataset_dir)
+        out.append(f"data.datasets={json.dumps([{'path': prefix, 'weight': 1.0}])}")
+    return config, [*out, *overrides]

@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import argparse
 
-from llmtrain.commands.flags import node_range
+from llmtrain.commands.flags import float_in, int_at_least, node_range
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, passed on to `llmtrain train`")
-    parser.add_argument("--nproc-per-node", type=int, required=True, help="processes (devices) per node")
+    parser.add_argument(
+        "--nproc-per-node", type=int_at_least(1, 1 << 16), required=True, help="processes (devices) per node"
+    )
     parser.add_argument(
         "--nnodes", default="1", type=node_range, help="nodes, or MIN:MAX for an elastic job (default 1)"
     )
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (static multi-node)")
+    parser.add_argument(
+        "--node-rank", type=int_at_least(0), default=None, help="this node's rank (static multi-node)"
+    )
     parser.add_argument("--master-addr", default=None, help="rendezvous host (multi-node)")
-    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port (default 29500)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="elastic restarts before giving up")
+    parser.add_argument(
+        "--master-port", type=int_at_least(1, 65535), default=29500, help="rendezvous port (default 29500)"
+    )
+    parser.add_argument(
+        "--max-restarts", type=int_at_least(0), default=0, help="elastic restarts before giving up"
+    )
     parser.add_argument(
         "--run-id", default=None, help="rendezvous id (default: derived from the config path)"
     )
@@ -30,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rdzv-conf",
         default=None,
         help="torchrun rendezvous settings for elastic jobs, e.g. join_timeout=60,last_call_timeout=5",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float_in(0, low_open=True),
+        default=60.0,
+        help="seconds to wait for a remote --master-addr to answer before giving up with exit 2 (default 60)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run it")
 
@@ -48,5 +62,6 @@ def main(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         run_id=args.run_id,
         rdzv_conf=args.rdzv_conf,
+        connect_timeout_s=args.connect_timeout,
     )
     return launch(spec, dry_run=args.dry_run)

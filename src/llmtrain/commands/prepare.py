@@ -156,13 +156,15 @@ def _prepare_section(path: str) -> dict:
     """The ``data.prepare`` mapping of a run config (bounded safe YAML); ConfigError naming the file otherwise."""
     from pathlib import Path
 
-    from llmtrain.config.loader import read_yaml
+    from llmtrain.config.loader import check_section, read_yaml
+    from llmtrain.data.prep.pipeline import PrepareOptions
 
     data = read_yaml(Path(path)).get("data") or {}
     section = data.get("prepare") if isinstance(data, dict) else None
     if not isinstance(data, dict) or not isinstance(section or {}, dict):
         raise ConfigError(f"--config {path}: data.prepare must be a mapping of prepare options.")
-    return dict(section or {})
+    # types and number ranges as for any config section (config/ranges.py): no num_shards 1e9 loop
+    return check_section(PrepareOptions, dict(section or {}), "data.prepare.", f"--config {path}")
 
 
 def parse_partition(text: str) -> Partition:

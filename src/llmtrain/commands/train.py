@@ -6,6 +6,12 @@ its threads are joined, and the process groups are destroyed before the interpre
 (``shutdown_distributed``: a gloo worker thread outliving the interpreter aborts the process). Exit codes
 (docs/reliability.md): 0 finished, 2 bad input, 3 diverged (the stability guard gave up), 75 preempted (saved;
 run the same command again to resume), 124 hang watchdog; 1 for anything else.
+
+The rank comes from whichever launcher started the process (torchrun, mpirun, srun:
+:func:`llmtrain.distributed.env.rank_env`). The seed's ``run_llm_pretrain.py`` flags are accepted where they map
+onto config keys (``--config``, ``--save_dir``, ``--load_ckpt``, ``--dataset_dir``, ``--auto_resume``; see
+:func:`llmtrain.commands.flags.add_seed_flags`), so ``mpirun -n N llmtrain train --config X --save_dir D`` works
+as the seed's launch line did.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import sys
 import traceback
 from typing import TYPE_CHECKING
 
+from llmtrain.commands.flags import add_seed_flags, seed_flag_overrides
 from llmtrain.errors import PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
@@ -24,20 +31,24 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("config", nargs="?", default=None, help="YAML config file (or --config FILE)")
     parser.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-3 run.output_dir=runs/x"
     )
+    add_seed_flags(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     from llmtrain.config import load_config
     from llmtrain.distributed.device import shutdown_distributed
+    from llmtrain.distributed.env import rank_env
     from llmtrain.resolve import validate
     from llmtrain.train.trainer import Trainer
 
-    cfg, notes = load_config(args.config, args.overrides)
-    warnings = validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), require_data=True)
+    config, overrides = seed_flag_overrides(args)
+    world_size = rank_env().world_size  # torchrun, mpirun or srun: sets RANK, WORLD_SIZE, ... for env://
+    cfg, notes = load_config(config, overrides)
+    warnings = validate(cfg, world_size=world_size, require_data=True)
     trainer = None
     try:
         trainer = Trainer(cfg, notes=[*notes, *warnings])

@@ -2,11 +2,12 @@
 
 The path of a config through this module::
 
-    YAML file --safe_load (duplicate keys rejected)--> raw dict
+    YAML file --yaml_text.parse_yaml (bounded safe_load: duplicate keys, control characters, alias bombs and
+                integers of > 100 digits refused)--> raw dict
       --mindformers.adapt--> native dict (+ notes: keys mapped, reinterpreted, ignored)
       --apply_overrides(["train.lr=1e-3", ...])--> native dict
       --mindformers.finish--> native dict (a MindFormers run length / warmup that depends on the overrides)
-      --config_from_dict (strict: unknown keys, wrong types)--> Config
+      --config_from_dict (strict: unknown keys, wrong types, numbers outside config.ranges, NaN/inf)--> Config
 
 ``config_from_dict`` walks the dataclass fields with their type hints and coerces each value; the coercion is
 deliberately small: ``int``, ``float``, ``bool``, ``str``, ``X | None``, nested dataclasses, ``list[Dataclass]``
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -30,7 +32,9 @@ from typing import Any
 import yaml
 
 from llmtrain.config import mindformers
+from llmtrain.config.ranges import nonfinite_path, range_problem, show
 from llmtrain.config.schema import Config, DatasetSpec
+from llmtrain.config.yaml_text import MAX_CONFIG_DEPTH, parse_yaml, refuse_control
 from llmtrain.errors import ConfigError
 
 
@@ -64,41 +68,19 @@ class _Source(str):
     def blame(self, key: str) -> str:
         """Who wrote the value at dotted ``key``: the override that set it (or a section above it), or the file."""
         item = self.overrides.get(key)
-        return f"command-line override {item!r} (over {str(self)})" if item else str(self)
+        return f"command-line override {show(item)} (over {str(self)})" if item else str(self)
 
 
 def read_yaml(path: Path) -> dict:
-    """The top-level mapping of a YAML file, read with a safe loader that rejects duplicate keys."""
+    """The top-level mapping of a YAML file, read with a safe loader that rejects duplicate keys, bounded in size,
+    depth and alias expansion, and refusing control characters and numbers of absurd length."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist.") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} cannot be read as UTF-8 text: {e}.") from None
-    if len(text) > MAX_CONFIG_CHARS:
-        raise ConfigError(
-            f"config file {path} is {len(text):,} characters long; a config is at most {MAX_CONFIG_CHARS:,} "
-            f"(is this the right file?)."
-        )
-    loader = _StrictSafeLoader(text)  # a SafeLoader subclass: safe_load semantics
-    try:
-        node = loader.get_single_node()
-        if node is not None:
-            _check_size(node, path)
-        data = None if node is None else loader.construct_document(node)
-    except RecursionError:
-        raise ConfigError(
-            f"config file {path} is nested too deeply to be a config (at most {MAX_CONFIG_DEPTH} levels)."
-        ) from None
-    except yaml.YAMLError as e:
-        where = ""
-        mark = getattr(e, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}.") from None
-    finally:
-        loader.dispose()
+    data = parse_yaml(text, f"config file {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -107,67 +89,6 @@ def read_yaml(path: Path) -> dict:
             f"data:, ...), got a {type(data).__name__}."
         )
     return data
-
-
-# Bounds on what a config file may expand to: a billion-laughs alias bomb is a few hundred bytes of text.
-MAX_CONFIG_CHARS = 4 * 1024 * 1024
-MAX_CONFIG_NODES = 200_000  # scalars + collections after every alias is expanded
-MAX_CONFIG_DEPTH = 64
-
-
-def _check_size(root: yaml.Node, path: Path) -> None:
-    """ConfigError if the document, with its aliases expanded, is cyclic, deeper than MAX_CONFIG_DEPTH or larger
-    than MAX_CONFIG_NODES (computed on the node graph, without expanding anything)."""
-    size: dict[int, int] = {}
-    stack: list[tuple[yaml.Node, int, bool]] = [(root, 0, False)]
-    open_ids: set[int] = set()
-    while stack:
-        node, depth, done = stack.pop()
-        children: list[yaml.Node] = []
-        if isinstance(node, yaml.SequenceNode):
-            children = list(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        if done:
-            open_ids.discard(id(node))
-            size[id(node)] = 1 + sum(size[id(c)] for c in children)
-            if size[id(node)] > MAX_CONFIG_NODES:
-                raise ConfigError(
-                    f"config file {path} expands to more than {MAX_CONFIG_NODES:,} values once its YAML "
-                    f"aliases (*name) are expanded (line {node.start_mark.line + 1}); a config this large is "
-                    f"not a config (an alias bomb?)."
-                )
-            continue
-        if id(node) in size:
-            continue
-        if id(node) in open_ids:
-            raise ConfigError(
-                f"config file {path}: the YAML alias at line {node.start_mark.line + 1} refers to a collection "
-                f"that contains it; a config cannot be recursive."
-            )
-        if depth > MAX_CONFIG_DEPTH:
-            raise ConfigError(
-                f"config file {path} is nested more than {MAX_CONFIG_DEPTH} levels deep (line "
-                f"{node.start_mark.line + 1}); a config is a few levels of sections."
-            )
-        open_ids.add(id(node))
-        stack.append((node, depth, True))
-        stack.extend((c, depth + 1, False) for c in children if id(c) not in size)
-
-
-class _StrictSafeLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key written twice in one mapping (plain safe_load keeps the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in the same mapping", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -199,16 +120,18 @@ def apply_overrides(d: dict, overrides: Sequence[str]) -> dict:
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
+        what = f"command-line override {show(item)}"
         if not sep or not key:
-            raise ConfigError(
-                f"command-line override {item!r} is not of the form section.key=value (e.g. train.lr=1e-3)."
-            )
+            raise ConfigError(f"{what} is not of the form section.key=value (e.g. train.lr=1e-3).")
+        refuse_control(key, f"{what}: the key")
         parts = key.split(".")
+        if len(parts) > MAX_CONFIG_DEPTH:
+            raise ConfigError(
+                f"{what}: the key has {len(parts):,} dotted parts; a config key has at most {MAX_CONFIG_DEPTH} "
+                f"(section.key, or a few levels inside a mapping such as model.rope_scaling.factor)."
+            )
         _check_override_key(parts, item)
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"command-line override {item!r}: the value is not valid YAML ({e}).") from None
+        value = parse_yaml(text, f"{what}: the value")
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -216,8 +139,8 @@ def apply_overrides(d: dict, overrides: Sequence[str]) -> dict:
                 child = node[part] = {}
             if not isinstance(child, dict):
                 raise ConfigError(
-                    f"command-line override {item!r}: {'.'.join(parts[: i + 1])} is not a mapping in the "
-                    f"config (it is {child!r}), so it has no key {parts[i + 1]!r}."
+                    f"{what}: {'.'.join(parts[: i + 1])} is not a mapping in the config (it is {show(child)}), "
+                    f"so it has no key {parts[i + 1]!r}."
                 )
             node = child
         node[parts[-1]] = value
@@ -232,13 +155,13 @@ def _check_override_key(parts: list[str], item: str) -> None:
             if cls is Any:  # free-form value such as model.rope_scaling: any sub-key is allowed
                 return
             raise ConfigError(
-                f"command-line override {item!r}: {'.'.join(parts[:i])} is a single value, not a section."
+                f"command-line override {show(item)}: {'.'.join(parts[:i])} is a single value, not a section."
             )
         hints = typing.get_type_hints(cls)
         if part not in hints:
             prefix = ".".join(parts[:i])
             raise ConfigError(
-                f"command-line override {item!r}: unknown key {'.'.join(parts[: i + 1])!r}"
+                f"command-line override {show(item)}: unknown key {show('.'.join(parts[: i + 1]))}"
                 f"{_suggest(part, list(hints), prefix)}. Valid keys"
                 f"{' in ' + prefix if prefix else ' (sections)'}: {', '.join(hints)}."
             )
@@ -250,6 +173,20 @@ def config_from_dict(d: dict, source: str = "<dict>") -> Config:
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: the config must be a mapping of sections, got {type(d).__name__}.")
     return _build(Config, d, prefix="", source=source)
+
+
+def check_section(cls: type, section: dict, prefix: str, source: str) -> dict:
+    """``section`` (a mapping read from a config, e.g. ``data.prepare``) checked against the dataclass ``cls``
+    as a config section is: unknown keys, types, number ranges (``config.ranges``, keys ``prefix + name``), no
+    NaN/inf; returns the keys it holds with their coerced values (a nested section as a dict)."""
+    if not isinstance(section, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.')}: expected a mapping of keys, got {show(section)}.")
+    built = _build(cls, section, prefix=prefix, source=source)
+    return {
+        str(k): dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+        for k in section
+        for v in [getattr(built, str(k))]
+    }
 
 
 def _build(cls: type, d: dict, prefix: str, source: str) -> Any:
@@ -301,13 +238,24 @@ def _is_union(tp: Any) -> bool:
 
 
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    """value converted to the field type tp, or ConfigError naming source and key."""
+    """value converted to the field type tp, or ConfigError naming source and key. Numbers are checked against
+    their range (``config.ranges``) here, before anything can allocate or loop on them; free-form values
+    (``Any``, ``dict``) may hold no NaN or infinity."""
     if isinstance(source, _Source) and key in source.overrides:
         source = source.blame(key)  # the whole value below this key came from the command line
+    optional = _is_union(tp) and type(None) in typing.get_args(tp)
+    inner = _strip_optional(tp)
+    if inner is Any or inner is dict or typing.get_origin(inner) is dict:
+        bad = nonfinite_path(value, key)
+        if bad is not None:
+            raise ConfigError(
+                f"{source}: {bad[0]}: {show(bad[1])} is not a finite number; NaN and infinity mean nothing in a "
+                f"config (write the number itself)."
+            )
     if tp is Any:
         return value
     if _is_union(tp):
-        if value is None and type(None) in typing.get_args(tp):
+        if value is None and optional:
             return None
         tp = _strip_optional(tp)
     if typing.get_origin(tp) is typing.Literal:
@@ -316,37 +264,46 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if tp is DatasetSpec and isinstance(value, str):  # shorthand: a bare prefix means weight 1
             value = {"path": value}
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}: expected a mapping of keys, got {value!r}.")
+            raise ConfigError(f"{source}: {key}: expected a mapping of keys, got {show(value)}.")
         return _build(tp, value, prefix=f"{key}.", source=source)
     if typing.get_origin(tp) is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{source}: {key}: expected a list, got {value!r}.")
+            raise ConfigError(f"{source}: {key}: expected a list, got {show(value)}.")
         return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if tp is dict or typing.get_origin(tp) is dict:  # free-form mappings (validated by their consumer)
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}.")
+            raise ConfigError(f"{source}: {key}: expected a mapping, got {show(value)}.")
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{source}: {key}: expected true or false, got {value!r}.")
-    if tp is int:
-        number = _number(value)
-        if number is None or number != int(number):
-            raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}.")
-        return int(number)
-    if tp is float:
-        number = _number(value)
-        if number is None:
-            raise ConfigError(f"{source}: {key}: expected a number, got {value!r}.")
-        return float(number)
+        raise ConfigError(f"{source}: {key}: expected true or false, got {show(value)}.")
+    if tp is int or tp is float:
+        number = _number(value, finite=False)
+        if isinstance(number, float) and not math.isfinite(number):  # NaN / inf / 1e999: say what is valid
+            problem = range_problem(key, number, tp is int, optional, written=value)
+            spelled = isinstance(value, float) or any(w in str(value).lower() for w in ("nan", "inf"))
+            raise ConfigError(
+                f"{source}: {problem}" + (" NaN and infinity mean nothing in a config." if spelled else "")
+            )
+        if number is None or (tp is int and number != int(number)):
+            kind = "an integer" if tp is int else "a number"
+            raise ConfigError(f"{source}: {key}: expected {kind}, got {show(value)}.")
+        try:
+            number = int(number) if tp is int else float(number)
+        except OverflowError:  # an integer past float's range written for a float field
+            number = math.inf
+        problem = range_problem(key, number, tp is int, optional, written=value)
+        if problem:
+            raise ConfigError(f"{source}: {problem}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{source}: {key}: expected a string, got {value!r}.")
+        raise ConfigError(f"{source}: {key}: expected a string, got {show(value)}.")
     raise ConfigError(f"{source}: {key}: field type {tp!r} is not supported by the loader.")  # schema bug
 
 
@@ -374,13 +331,17 @@ def _choice(value: Any, allowed: tuple[Any, ...], key: str, source: str) -> Any:
     raise ConfigError(f"{source}: {choice_error(key, value, allowed)}")
 
 
-def _number(value: Any) -> float | int | None:
-    """value as int/float, accepting numeric strings (YAML 1.1 reads 1e-4 as a string); None if not numeric."""
+def _number(value: Any, finite: bool = True) -> float | int | None:
+    """value as int/float, accepting numeric strings (YAML 1.1 reads 1e-4 as a string); None if not numeric (or,
+    with finite, NaN or infinite)."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int | float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, str):
+    if isinstance(value, int):
+        return value
+    number: float | None = None
+    if isinstance(value, float):
+        number = value
+    elif isinstance(value, str):
         text = value.strip().replace("_", "")
         try:
             return int(text)
@@ -390,5 +351,6 @@ def _number(value: Any) -> float | int | None:
             number = float(text)
         except ValueError:
             return None
-        return number if number == number and abs(number) != float("inf") else None
-    return None
+    if number is None or (finite and not math.isfinite(number)):
+        return None
+    return number

@@ -3,7 +3,8 @@
 The YAML file is these dataclasses serialized (``config.loader`` reads and writes it). Field names follow the
 seed documents' own words where they name a setting (``model.num_heads``, ``parallel.tensor_parallel``,
 ``train.batch_size``, ``checkpoint.keep_checkpoint_max``...). Every field has a docstring (the string below
-it); ``llmtrain check --explain`` could print them. Cross-field rules live in ``resolve.validate``.
+it); ``llmtrain check --explain`` could print them. Each number field's valid range is in ``config.ranges``
+(one table, applied by the loader and by ``resolve.validate``). Cross-field rules live in ``resolve.validate``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,25 @@ class MoEConfig:
     topk_group: int | None = None
     """Groups each token may route to (DeepSeek-V3: 4)."""
     routed_scaling_factor: float | None = None
-    """Multiplies the routed experts' weights after route_norm (DeepSeek-V3: 2.5); 1 = off."""
+    """Multiplies the routed experts' weights after route_norm, in every family (DeepSeek-V3: 2.5; MindFormers'
+    Qwen3-30B-A3B file: 1.5); 1 = off."""
+    pre_softmax: bool | None = None
+    """Softmax routers: true (default) takes the softmax over all experts, then the top_k of those scores (Qwen,
+    Mixtral, DeepSeek, transformers); false takes the top_k of the logits, then a softmax over the k chosen ones
+    (Megatron's default), so the weights sum to 1 whatever route_norm says. Must stay true with sigmoid scores."""
+    router_fp32: bool | None = None
+    """Compute the router's logits in fp32 (its input and weight cast to fp32, outside autocast), as MindFormers'
+    router_dense_type float32; false (default): the gate matmul runs under autocast and its logits are cast to
+    fp32. Scores, top-k and weights are fp32 either way. Under FSDP with bf16 / fp16 the weight is the 16-bit
+    copy FSDP gathers, cast up."""
+    aux_loss_scope: Literal["micro_batch", "global_batch"] | None = None
+    """Which tokens the aux loss's expert fractions f_i count. micro_batch (default): this micro-batch's own.
+    global_batch (MindFormers' gbs_aux_loss): the assignments summed over the data-parallel ranks and over the
+    step's micro-batches up to this one (a running sum, reset each step). P_i is this micro-batch's own either
+    way, so the gradient reaches only its tokens."""
+    drop_policy: Literal["position", "probs"] | None = None
+    """With capacity_factor: which of an expert's assignments past its capacity are dropped. position (default):
+    the last tokens of the micro-batch; probs: those with the lowest routing weights (Megatron / MindFormers)."""
 
 
 @dataclass

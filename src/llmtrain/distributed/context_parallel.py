@@ -33,6 +33,12 @@ from *global* positions and document ids.
   shrinks with cp; HSDP and ZeRO 0 use ``(dp_replicate, dp_shard x cp)``: distributed/parallelize.py), and
   FSDP's gradient average over ``dp x cp`` ranks is undone by ``grad_scale x cp``.
 
+* **Pipeline parallel**: the runner (distributed/pipeline.py) feeds the stages this rank's chunks
+  (:meth:`ContextParallel.local`), and :meth:`ContextParallel.stage_pre_hook`, a forward pre-hook of each stage
+  module, builds the masks of the pipeline micro-batch about to run from its keyword arguments (local
+  ``position_ids``, global ``document_ids``): the schedule runs micro-batches in its own order, so the masks
+  cannot be built once per batch as ``shard`` does.
+
 The object is attached to the model by :func:`apply_cp` (``model.context_parallel``) and found by the train
 step with :func:`find`. It holds the current micro-batch's boolean masks from ``shard`` on; the additive mask
 lives in that micro-batch's autograd graph.
@@ -70,6 +76,22 @@ class _GatherSeq(torch.autograd.Function):
         return out.movedim(0, ctx.dim), None, None
 
 
+class _SumKeepGrad(torch.autograd.Function):
+    """All-reduce (sum) over ``group`` in forward; backward passes the gradient through unchanged (each rank's
+    summand gets the gradient of the replicated result it helped form: the per-rank gradients are summed later,
+    by FSDP over the CP ranks, so an all-reduce here would count them ``cp`` times)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 def gather_seq(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     """``x`` of every rank of ``group`` concatenated along ``dim`` (autograd-correct)."""
     return _GatherSeq.apply(x, group, dim)
@@ -100,18 +122,34 @@ class ContextParallel:
         ``input_ids``, ``labels`` and global ``position_ids`` of the local chunks; builds the masks of the local
         queries against all keys (document ids only with ``document_mask``)."""
         ids = mb["input_ids"]
+        self.set_masks(ids.shape[1], mb["document_ids"] if document_mask else None, ids.device)
+        return self.local(mb, document_mask)
+
+    def local(self, mb: dict[str, torch.Tensor], document_mask: bool) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``labels`` and global ``position_ids`` of this rank's chunks of ``mb`` [B, T] (the
+        packed batch's per-document positions with ``document_mask``, else ``arange(T)``); no masks."""
+        ids = mb["input_ids"]
         bsz, seq = ids.shape
-        device = ids.device
-        q_idx = local_index(seq, self.size, self.rank).to(device)
-        k_idx = key_index(seq, self.size).to(device)
+        q_idx = local_index(seq, self.size, self.rank).to(ids.device)
         if document_mask:
             positions = mb["position_ids"]
         else:
-            positions = torch.arange(seq, device=device)[None].expand(bsz, seq)
+            positions = torch.arange(seq, device=ids.device)[None].expand(bsz, seq)
+        return {
+            "input_ids": ids[:, q_idx],
+            "labels": mb["labels"][:, q_idx],
+            "position_ids": positions[:, q_idx],
+        }
+
+    def set_masks(self, seq: int, document_ids: torch.Tensor | None, device: torch.device) -> None:
+        """Build the boolean masks of this rank's queries against all keys of sequences of length ``seq``
+        (``document_ids`` [B, T], global: also across packed documents); what :meth:`masks` hands out next."""
+        q_idx = local_index(seq, self.size, self.rank).to(device)
+        k_idx = key_index(seq, self.size).to(device)
         causal = k_idx[None, :] <= q_idx[:, None]  # [Tq, Tk]
         allowed = causal[None, None]  # [1, 1, Tq, Tk]
-        if document_mask:
-            doc = mb["document_ids"]
+        if document_ids is not None:
+            doc = document_ids
             same = doc[:, q_idx][:, :, None] == doc[:, k_idx][:, None, :]  # [B, Tq, Tk]
             allowed = (same & causal[None])[:, None]  # [B, 1, Tq, Tk]
         rel = (k_idx[None, :] - q_idx[:, None]).float() if self.alibi else None
@@ -119,11 +157,15 @@ class ContextParallel:
         if 0 < self.window < seq:
             band = (k_idx[None, :] > q_idx[:, None] - self.window)[None, None]
             self._mask.sliding = AttentionMask(is_causal=False, allowed=allowed & band, rel_pos=rel)
-        return {
-            "input_ids": ids[:, q_idx],
-            "labels": mb["labels"][:, q_idx],
-            "position_ids": positions[:, q_idx],
-        }
+
+    def stage_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of a pipeline stage module (distributed/pipeline.py): the masks of the pipeline
+        micro-batch about to run, from its keyword arguments as the schedule split them: ``position_ids``
+        [b, T / cp] (this rank's, so ``T`` is their length x cp) and, with document masks, the global
+        ``document_ids`` [b, T]. Each stage forward of each micro-batch gets its own; backward needs none (the
+        additive mask lives in the micro-batch's autograd graph)."""
+        positions = kwargs["position_ids"]
+        self.set_masks(positions.shape[-1] * self.size, kwargs.get("document_ids"), positions.device)
 
     def release(self) -> None:
         """Forget the current micro-batch's masks (the next ``shard`` builds new ones)."""
@@ -149,6 +191,36 @@ class ContextParallel:
         """Keys and values ``[B, heads, T / cp, hd]`` of every CP rank: ``[B, heads, T, hd]`` (gathered order)."""
         return gather_seq(k, self.group, 2), gather_seq(v, self.group, 2)
 
+    def gather_latent(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's compressed keys/values of every CP rank (models/common/mla.py): ``latent`` [B, T / cp, r] and
+        the rotary key ``k_rope`` [B, T / cp, 1, rope] (already rotated at this rank's global positions) ->
+        [B, T, r], [B, T, 1, rope] in the gathered order; one all-gather when both have one dtype."""
+        bsz, t, r = latent.shape
+        if latent.dtype != k_rope.dtype:
+            return gather_seq(latent, self.group, 1), gather_seq(k_rope, self.group, 1)
+        both = gather_seq(torch.cat((latent, k_rope.reshape(bsz, t, -1)), dim=-1), self.group, 1)
+        latent_all, rope_all = both.split([r, both.shape[-1] - r], dim=-1)
+        return latent_all, rope_all.reshape(bsz, both.shape[1], 1, -1)
+
+    def sum_keep_grad(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the CP group (a new tensor), the gradient passed through to this rank's ``t``
+        (:class:`_SumKeepGrad`): a micro-batch statistic built from every rank's tokens, e.g. the MoE aux
+        loss's mean scores (models/common/moe.py)."""
+        return _SumKeepGrad.apply(t, self.group)
+
+    def sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x`` [B, T / cp, ...] of every CP rank, in sequence order: [B, T, ...] (no autograd)."""
+        bsz, t = x.shape[:2]
+        xs = x.detach().transpose(0, 1).contiguous()  # [T / cp, B, ...]: rank-major along dim 0
+        out = xs.new_empty((self.size * t, *xs.shape[1:]))
+        dist.all_gather_into_tensor(out, xs, group=self.group)
+        order = torch.argsort(key_index(self.size * t, self.size)).to(x.device)  # sequence pos -> gathered
+        return out[order].transpose(0, 1)
+
+    def local_part(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of ``x`` [B, T, ...] (sequence order): [B, T / cp, ...]."""
+        return x[:, local_index(x.shape[1], self.size, self.rank).to(x.device)]
+
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) ``t`` in place over the CP group; returns it."""
         dist.all_reduce(t, group=self.group)
@@ -156,7 +228,11 @@ class ContextParallel:
 
 
 def apply_cp(model: nn.Module, cp_mesh: Any) -> ContextParallel:
-    """Attach a :class:`ContextParallel` over ``cp_mesh`` to the model and every attention layer."""
+    """Attach a :class:`ContextParallel` over ``cp_mesh`` to the model, every attention layer (standard and
+    multi-head latent) and every MoE block (its micro-batch statistics span the CP ranks)."""
+    from llmtrain.models.common.mla import MultiHeadLatentAttention
+    from llmtrain.models.common.moe import MoE
+
     args: Any = getattr(model, "args")  # noqa: B009  (a Transformer's TransformerArgs)
     cp = ContextParallel(
         cp_mesh.get_group(),
@@ -166,7 +242,7 @@ def apply_cp(model: nn.Module, cp_mesh: Any) -> ContextParallel:
         window=args.sliding_window or 0,
     )
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, MultiHeadLatentAttention, MoE)):
             module.context_parallel = cp
     model.context_parallel = cp  # type: ignore[assignment]
     return cp

@@ -14,7 +14,9 @@ all-gather a state-dict hook hands the checkpoint plain tensors that alias torch
 ``parallelize`` (distributed/parallelize.py): float8 swap -> TP -> recompute -> compile -> FSDP, as torchtitan;
 with tensorwise under FSDP (``dp_shard > 1``) torchao's fp8 all-gather is on and, after each optimizer step,
 :func:`after_optimizer_step` computes the next all-gather's weight scales with one all-reduce
-(``precompute_float8_dynamic_scale_for_fsdp``) instead of one per weight.
+(``precompute_float8_dynamic_scale_for_fsdp``) instead of one per weight. Under context parallel each rank holds
+part of every sequence: :func:`apply_context_parallel` makes the activation and gradient scales those of the
+whole sequence (the amax reduced over CP), as one process computes them.
 
 Where it runs (:func:`config_problem`, :func:`device_problem`; ``resolve.validate`` asks both before a run,
 ``apply_float8`` once more on the device it builds on): CUDA devices with FP8 tensor cores, compute capability
@@ -135,6 +137,55 @@ def apply_float8(model: nn.Module, cfg: Config, device_type: str, fsdp_all_gathe
             if fqn in wanted:
                 module.register_state_dict_post_hook(_plain_weight)
     return len(wanted)
+
+
+_CP_MESHES: dict[int, tuple[object, object]] = {}
+"""``id(layer.linear_mm_config)`` -> (that config, the CP mesh) of each converted layer under context parallel."""
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: object) -> int:
+    """Under context parallel: the fp8 scales of the converted layers' activations and gradients taken over the
+    whole sequence, as one process takes them; returns how many layers. Each CP rank holds part of every
+    sequence, so a scale from its own tokens' amax would differ from the one-process scale (measured: losses
+    1e-4 off after one step). torchao reduces an amax over a mesh when asked (``reduce_amax``) but its linear
+    layer never asks; :func:`_cast_over_cp` asks for these layers: the tensor-wise casts of the input and the
+    output gradient, and the row-wise casts along the token dimension (those of the weight-gradient GEMM; the
+    other row-wise scales are per token, hence local). The weights are whole on every CP rank (never reduced)."""
+    import inspect
+
+    from torchao.float8 import float8_linear
+
+    original = float8_linear.hp_tensor_to_float8_dynamic
+    if not getattr(original, "_llmtrain_cp", False):
+        signature = inspect.signature(original)
+
+        def cast(*args: object, **kwargs: object) -> object:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return original(**_cast_over_cp(dict(bound.arguments)))
+
+        cast._llmtrain_cp = True  # type: ignore[attr-defined]
+        float8_linear.hp_tensor_to_float8_dynamic = cast
+    n = 0
+    for module in model.modules():
+        if isinstance(module, float8_linear.Float8Linear):
+            _CP_MESHES[id(module.linear_mm_config)] = (module.linear_mm_config, cp_mesh)
+            n += 1
+    return n
+
+
+def _cast_over_cp(a: dict) -> dict:
+    """torchao's cast arguments ``a`` (all of them, by name), with the amax reduced over CP where
+    :func:`apply_context_parallel` says."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    entry = _CP_MESHES.get(id(a["linear_mm_config"]))
+    if entry is None or entry[0] is not a["linear_mm_config"] or a["gemm_input_role"] is GemmInputRole.WEIGHT:
+        return a
+    if a["scaling_granularity"] is ScalingGranularity.TENSORWISE or a["axiswise_dim"] == 0:
+        return {**a, "reduce_amax": True, "device_mesh": entry[1]}
+    return a
 
 
 def _plain_weight(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -32,8 +32,9 @@ ZeRO 3 with ``per_step`` adds 4 bytes x parameters to its ~(16 / dp) bytes per p
 not its default. Without accumulation (one micro-batch) every mode is the same.
 
 Pipeline parallel is not handled here: torch's schedules switch FSDP's gradient sync themselves, reducing on
-each stage's last micro-batch. Expert-parallel expert weights are outside FSDP (not reduced at all: their
-gradients are exact by construction, distributed/expert_parallel.py).
+each stage's last micro-batch. Expert-parallel expert weights are outside the blocks' FSDP: with ep equal to
+the data-parallel size their gradients are exact by construction; with expert replicas (ep smaller) they are
+reduced over the replicas by their own FSDP (ZeRO >= 1) or a gradient hook (ZeRO 0), distributed/expert_parallel.py.
 """
 
 from __future__ import annotations

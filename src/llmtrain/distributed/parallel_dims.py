@@ -15,8 +15,9 @@ Degrees::
 ``dp_shard`` is the FSDP (ZeRO) sharding degree and ``dp_replicate`` the replicate degree (DDP, or the outer
 dim of HSDP). With ZeRO stage 0 (plain data parallelism) every data-parallel rank holds a full replica, so
 :meth:`ParallelDims.from_config` puts the whole data-parallel size on ``dp_replicate``; with stages 1-3 it is
-``data_parallel_replicate`` x ``dp_shard``. ``ep`` (expert parallel) does not add a mesh dim: like torchtitan it
-borrows ranks from ``dp x cp``; its mesh is picked by ``distributed/expert_parallel.py``.
+``data_parallel_replicate`` x ``dp_shard``. ``ep`` (expert parallel) does not add a mesh dim: it borrows ranks
+from ``dp x cp x tp``; ``distributed/expert_parallel.expert_mesh`` regroups them as a second mesh over the same
+ranks, ``(pp, edp, ep, etp)``.
 
 :meth:`ParallelDims.build_mesh` always builds all five dims, in the order ``pp, dp_replicate, dp_shard, cp,
 tp`` (size-1 dims included, so ``mesh["tp"]`` works in every layout and code needs no branches), then the

@@ -41,7 +41,9 @@ micro-batches in ``reduce_dtype``). What changes: the norm weights, which autoca
 forward rounded to 16 bits and their gradients are rounded to 16 bits before the fp32 reduction (as every
 matmul weight's already was); a norm applied to a 16-bit tensor (qwen3's q/k norms) then returns 16 bits.
 The root (embedding, final norm, head) is not cast: the embedding output, hence the residual stream, stays
-fp32, and autocast still casts the head. Expert-parallel experts (outside FSDP) keep autocast's casts.
+fp32, and autocast still casts the head. Expert-parallel experts sharded over their replicas (ZeRO 1-3, more
+than one replica: distributed/expert_parallel.py) get the blocks' policy; those outside FSDP keep autocast's
+casts.
 
 Which layouts may be built is decided by :mod:`llmtrain.feasibility` alone (config validation refuses the
 others before anything is built); :func:`parallelize` only asserts it once more with the same function and
@@ -177,11 +179,15 @@ def parallelize(
 
         apply_float8(model, cfg, device_type, fsdp_all_gather=fsdp and dims.dp_shard > 1)
     expert_params: set = set()
-    if dims.ep > 1:  # experts sharded over the dp ranks, before FSDP (which must then ignore them)
+    experts_fsdp = False  # experts FSDP-sharded over their edp replicas (distributed/expert_parallel.py)
+    if dims.ep > 1:  # experts on the expert mesh, before TP (which leaves them alone) and FSDP (ignores them)
         from llmtrain.distributed import expert_parallel
 
         assert world is not None
-        expert_parallel.apply_ep(model, expert_parallel.ep_mesh_for(dims, world), grad_divisor=dims.dp)
+        experts_fsdp = fsdp and expert_parallel.fsdp_over_edp(dims, cfg.parallel.effective_zero_stage())
+        # grad_divisor: the trainer's loss multiplier under FSDP (dp, x cp under context parallel: train/step.py)
+        divisor = dims.dp * dims.cp
+        expert_parallel.apply_ep(model, dims, world, grad_divisor=divisor, fsdp_edp=experts_fsdp)
         expert_params = expert_parallel.expert_params(model)
     if dims.tp > 1:
         assert world is not None
@@ -191,6 +197,10 @@ def parallelize(
 
         assert world is not None
         apply_cp(model, world["cp"])
+        if cfg.train.fp8 != "none":  # fp8 scales over the whole sequence (distributed/float8.py)
+            from llmtrain.distributed.float8 import apply_context_parallel
+
+            apply_context_parallel(model, world["cp"])
     apply_recompute(model, cfg.recompute.mode, cfg.recompute.every)
     if compiles(cfg, dims):  # with TP the blocks run eagerly (feasibility warning tp_compile)
         for key, block in list(model.layers.items()):
@@ -205,6 +215,17 @@ def parallelize(
         # Under PP, zero-bubble schedules give wrong gradients with reshard_after_forward=True on this torch
         # (docs: pipeline parallel): stage modules keep parameters gathered from forward to backward.
         resharding = min(zero, 2) if dims.pp > 1 else zero
+        if experts_fsdp:  # their own FSDP over the expert replicas, nested inside the blocks'
+            expert_parallel.apply_expert_fsdp(
+                model,
+                dims,
+                world,
+                resharding,
+                cfg.parallel.cpu_offload,
+                device_type,
+                mixed_precision(cfg.train.precision),
+            )
+            expert_params = set()
         apply_fsdp(
             model, dp_mesh_for(dims, world, zero), resharding, cfg.parallel.cpu_offload, device_type,
             ignored_params=expert_params, precision=cfg.train.precision,

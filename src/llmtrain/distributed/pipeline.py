@@ -25,9 +25,16 @@ checkpoints, host snapshots, fault drills) keeps seeing *one* module per rank:
 
 Which pipeline layouts are legal (schedule vs virtual stages, micro-batch counts, the layer split, tied
 embeddings, compile with zero-bubble schedules) is decided by :mod:`llmtrain.feasibility` only; the runner
-asserts it with the same function before building. Context parallel (``parallel.context_parallel > 1``) is
-refused there too, with its reason (torch's ring attention has no CPU kernel strategy, and on accelerators it
-covers only plain causal masks, not this codebase's document masks).
+asserts it with the same function before building.
+
+Context parallel (``parallel.context_parallel > 1``, distributed/context_parallel.py) composes: the runner feeds
+this rank's load-balanced chunks of every sequence (``[B, T / cp]`` ids, labels and global positions), so the
+stages pass the hidden states of the local chunks. The attention masks (local queries vs all keys) differ per
+pipeline micro-batch with document masks: each stage module has a forward pre-hook
+(``ContextParallel.stage_pre_hook``) that builds them from the keyword arguments the schedule split for that
+micro-batch (the local ``position_ids`` and the global ``document_ids [b, T]``), right before the stage's
+forward; backward needs none (the additive mask is in the micro-batch's autograd graph). The rank model
+carries the CP object too, for the train step's loss sum and gradient scale.
 
 MoE blocks (expert counts for the aux-loss-free bias, the aux-loss gradient scale) are accounted per pipeline
 micro-batch by ``models/common/moe.PipelineMoEStats``, hooked on the stage modules.
@@ -47,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmtrain.config.schema import Config, ParallelConfig
+from llmtrain.distributed import context_parallel
 from llmtrain.distributed.parallel_dims import ParallelDims
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.feasibility import (
@@ -176,6 +184,13 @@ class PipelineRunner:
         stages = self.stages[0] if name in SINGLE_STAGE else self.stages
         self.schedule = schedule_cls(stages, n_microbatches=self.n_mb, loss_fn=self._loss, scale_grads=False)
         self.moe = PipelineMoEStats(self.parts) if moe_layers(self.model) else None
+        self.cp = context_parallel.find(self.parts[0])  # context parallel: one per stage module
+        if self.cp is not None:
+            setattr(self.model, "context_parallel", self.cp)  # noqa: B010  (the step's loss sum, grad scale)
+            for part in self.parts:  # each stage forward builds the masks of its pipeline micro-batch
+                cp = context_parallel.find(part)
+                assert cp is not None
+                part.register_forward_pre_hook(cp.stage_pre_hook, with_kwargs=True)
 
     def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one pipeline micro-batch: logits [b, T, vocab], labels [b, T]."""
@@ -192,6 +207,13 @@ class PipelineRunner:
         batch = {k: torch.cat([mb[k] for mb in micro_batches]).to(self.device) for k in micro_batches[0]}
         ids = batch["input_ids"]  # [B, T]
         kwargs: dict[str, torch.Tensor] = {}
+        if self.cp is not None:  # this rank's sequence chunks [B, T / cp]; masks per micro-batch (pre-hook)
+            local = self.cp.local(batch, self.cfg.model.document_mask)
+            kwargs["position_ids"] = local["position_ids"]
+            if self.cfg.model.document_mask:
+                kwargs["document_ids"] = batch["document_ids"]  # global [B, T]: only the stage hook reads it
+            args = (local["input_ids"],) if self.has_first else ()
+            return args, kwargs, local["labels"]
         if self.cfg.model.document_mask:
             kwargs["position_ids"] = batch["position_ids"]
             kwargs["document_ids"] = batch["document_ids"]

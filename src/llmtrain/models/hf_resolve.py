@@ -68,9 +68,12 @@ MOE_COMPARED = {
     "n_group": "n_group",
     "topk_group": "topk_group",
     "routed_scaling_factor": "routed_scaling_factor",
+    "pre_softmax": "pre_softmax",
 }
 # model.moe training options the YAML may set for an imported model (config.json gives only the aux coefficient).
-MOE_TRAINING = ("aux_loss_coef", "bias_update_rate", "capacity_factor")
+MOE_TRAINING = (
+    "aux_loss_coef", "bias_update_rate", "capacity_factor", "aux_loss_scope", "drop_policy", "router_fp32",
+)  # fmt: skip
 
 
 def hf_init_dir(cfg: ModelConfig) -> Path | None:

@@ -24,7 +24,7 @@ from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster, load_catalog, parse_cluster
 from llmtrain.plan.long_context import loss_chunk
 from llmtrain.plan.memory import min_state_bytes_per_device
-from llmtrain.plan.search import PlanResult, evaluate, layout_from_config, search
+from llmtrain.plan.search import PlanResult, evaluate, layout_from_config, layout_overrides, search
 
 GIB = 2**30
 CLAIM_KEYS = ("tokens_per_s_per_device", "memory_per_device_gb", "steps_per_s", "days")
@@ -181,7 +181,8 @@ def print_plan(
     if search_layouts:
         ranked, tried, fitting = search(margs, layout, cluster, tokens_per_step, fused, top=top)
         out["search"] = {"tried": tried, "fit": fitting,
-                         "top": [{**plan_dict(r, cluster, total_tokens, []), "why": r.why()} for r in ranked]}  # fmt: skip
+                         "top": [{**plan_dict(r, cluster, total_tokens, []), "why": r.why(),
+                                  "overrides": layout_overrides(r.layout)} for r in ranked]}  # fmt: skip
     if as_json:
         print(json.dumps(out, indent=2))
     else:

@@ -24,8 +24,9 @@ projections) or ``megatron`` (fused QKV and gate-up GEMMs)::
 
     attention   wq (h -> q/t), wk, wv (h -> kv/t), wo (q/t -> h)        | qkv (h -> (q + 2 kv)/t), proj
     mlp         w1, w3 (h -> I/t), w2 (I/t -> h)                          | fc1 (h -> 2 I/t), fc2
-    moe         router (h -> E); per local expert (E / ep of them) the same three GEMMs at width H / t on
-                ``T k ep / E`` tokens (the tokens every EP peer routes to it, balanced); shared experts as an MLP
+    moe         router (h -> E); per local expert (E / ep of them) the same three GEMMs at width H / etp on
+                ``T (etp / t) k ep / E`` tokens (the tokens every EP peer routes to it, balanced; expert-TP
+                ``etp`` = ``moe_rules.expert_tp``: t, or 1 with each TP rank's own T / t); shared experts as an MLP
     head        output (h -> V/t) on the last stage
 
 With ``train.fp8`` (``Layout.fp8``) the block's linear layers (attention projections, the dense MLP, shared
@@ -87,9 +88,9 @@ def _attention_gemms(args: TransformerArgs, lay: Layout, ps: ParamShape) -> list
     return [(h, q / t, 1), (h, kv / t, 2), (q / t, h, 1)]
 
 
-def _mlp_gemms(h: int, width: float, lay: Layout) -> list[tuple[float, float, int]]:
-    """(K, N, count) of a gated MLP of ``width`` hidden units on one TP rank."""
-    w = width / lay.tp
+def _mlp_gemms(h: int, width: float, lay: Layout, tp: int | None = None) -> list[tuple[float, float, int]]:
+    """(K, N, count) of a gated MLP of ``width`` hidden units split over ``tp`` ranks (default ``lay.tp``)."""
+    w = width / (lay.tp if tp is None else tp)
     if lay.bf16_weights:
         return [(h, 2 * w, 1), (w, h, 1)]
     return [(h, w, 2), (w, h, 1)]
@@ -107,8 +108,10 @@ def block_gemm_time(
     if moe:
         other.append((tokens, h, args.num_experts, 1))  # router (replicated over TP)
         local = max(args.num_experts // max(lay.ep, 1), 1)
-        per_expert = tokens * args.top_k * lay.ep / args.num_experts
-        other += [(per_expert, k, n, c * local) for k, n, c in _mlp_gemms(h, args.moe_hidden_size, lay)]
+        # the rows each local expert receives from its ep peers, at width H / etp (plan/layout.py)
+        per_expert = tokens * lay.expert_rows_share * args.top_k * lay.ep / args.num_experts
+        experts = _mlp_gemms(h, args.moe_hidden_size, lay, tp=lay.etp)
+        other += [(per_expert, k, n, c * local) for k, n, c in experts]
         if args.shared_experts:
             shapes += [
                 (tokens, k, n, c)

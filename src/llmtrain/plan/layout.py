@@ -27,10 +27,13 @@ also cost splits the trainer refuses), chunk ``c`` on rank ``c mod pp`` (loop or
 with chunk 0 and the final norm + output projection with the last chunk.
 
 Parameters of a rank are split in two: *dense* (attention, norms, dense MLPs, routers, shared experts,
-embeddings; FSDP/ZeRO shards them over ``dp_shard x cp``) and *expert* (routed experts; split over ``ep`` and,
-as Megatron-Core does by default, over ``tp``; ZeRO shards them over the expert-data-parallel ranks
-``dp_shard x cp / ep``, which is 1 in this trainer, where ``ep`` equals the data-parallel size and FSDP ignores
-the experts).
+embeddings; FSDP/ZeRO shards them over ``dp_shard x cp``) and *expert* (routed experts). Expert parallel is a
+second mesh ``(edp, ep, etp)`` over a stage's ``dp x cp x tp`` ranks (distributed/expert_parallel.py): the
+experts split over ``ep`` and over the expert-TP degree ``etp`` (:attr:`Layout.etp`, training's own
+``moe_rules.expert_tp``: ``tp`` when ``ep`` divides ``dp x cp``, else 1, whole experts with EP drawn from the
+TP ranks too), replicated over ``edp = dp x cp x tp / (ep x etp)`` and, with ZeRO >= 1, FSDP-sharded over
+those replicas (:attr:`Layout.expert_shard_degree`). Without EP the experts are split over ``tp`` and
+sharded with the blocks.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from llmtrain.config.schema import ParallelConfig
 from llmtrain.distributed.grad_sync import sync_mode
 from llmtrain.errors import ConfigError
 from llmtrain.models import TransformerArgs
+from llmtrain.moe_rules import expert_tp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
@@ -119,9 +123,42 @@ class Layout:
         return 1 if self.zero_stage == 0 else self.dp_shard * self.cp
 
     @property
+    def etp(self) -> int:
+        """Expert tensor-parallel degree: ``moe_rules.expert_tp`` (training's rule), ``tp`` without EP."""
+        return expert_tp(self)
+
+    @property
+    def edp(self) -> int:
+        """Expert replicas: the ``dp x cp x tp`` ranks of a stage over ``ep x etp`` (the expert mesh's ``edp``)."""
+        return self.dp * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def expert_fsdp(self) -> bool:
+        """Routed experts in their own FSDP over ``edp`` (``distributed.expert_parallel.fsdp_over_edp``)."""
+        return self.ep > 1 and self.zero_stage >= 1 and self.edp > 1
+
+    @property
     def expert_shard_degree(self) -> int:
-        """Devices the ZeRO stage shards an expert's state over: the expert-data-parallel ranks."""
-        return max(1, self.shard_degree // self.ep)
+        """Devices the ZeRO stage shards an expert's state over: the blocks' shard group without EP; under EP
+        the ``edp`` replicas with ZeRO >= 1, else 1 (every replica keeps its experts whole)."""
+        if self.ep == 1:
+            return self.shard_degree
+        return self.edp if self.expert_fsdp else 1
+
+    @property
+    def dispatch_share(self) -> float:
+        """Fraction of a micro-batch's ``T`` tokens whose routed copies one rank dispatches and combines: the
+        sequence-parallel share ``1 / tp`` with expert-TP 1 (each TP rank keeps its rows) and in the Megatron
+        engines (all-to-all before the expert-TP all-gather); 1 in this trainer with expert-TP ``tp`` (every TP
+        rank routes the same all-gathered tokens, distributed/expert_parallel.py)."""
+        return 1.0 / self.tp if (self.bf16_weights or self.etp == 1) else 1.0
+
+    @property
+    def expert_rows_share(self) -> float:
+        """Fraction of ``T`` whose routed rows reach one rank's experts, summed over its ``ep`` peers and
+        divided by ``ep / E`` (balanced routing): ``etp / tp`` (whole experts: its own ``T / tp``; expert-TP:
+        all ``T`` at width ``H / tp``)."""
+        return self.etp / self.tp
 
     @property
     def bf16_weights(self) -> bool:
@@ -160,7 +197,7 @@ class Layout:
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
-            parts.append(f"ep{self.ep}")
+            parts.append(f"ep{self.ep}" + (f"/etp{self.etp}" if self.etp != self.tp else ""))
         parts += [f"zero{self.zero_stage}", f"mbs{self.micro_batch_size}", f"rc-{self.recompute}"]
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
@@ -269,9 +306,10 @@ class ParamShape:
             return (self.attention + self.shared) / tp + self.norms + self.router
         return (self.attention + self.dense_ffn) / tp + self.norms
 
-    def expert_block(self, tp: int, ep: int) -> float:
-        """Routed-expert parameters of one MoE block on one (TP, EP) rank."""
-        return self.routed / (tp * ep)
+    def expert_block(self, etp: int, ep: int) -> float:
+        """Routed-expert parameters of one MoE block on one rank of the expert mesh: split over ``ep`` and the
+        expert tensor-parallel degree ``etp`` (:attr:`Layout.etp`, 1 when EP is drawn from TP ranks)."""
+        return self.routed / (etp * ep)
 
     def embedding(self, tp: int) -> float:
         return self.args.vocab_size * self.args.hidden_size / tp
@@ -292,7 +330,7 @@ def rank_params(args: TransformerArgs, lay: Layout, shape: RankShape) -> tuple[f
         dense += ps.embedding(lay.tp)
     if shape.head:
         dense += ps.head(lay.tp, lay.pp)
-    return dense, shape.moe_layers * ps.expert_block(lay.tp, lay.ep)
+    return dense, shape.moe_layers * ps.expert_block(lay.etp, lay.ep)
 
 
 __all__ = [

@@ -2,7 +2,8 @@
 
 The worst pipeline rank is reported (:mod:`~llmtrain.plan.layout` says what each rank holds). Parameters are
 split into *dense* ones (FSDP/ZeRO shards them over ``D = dp_shard x cp``) and routed *experts* (split over
-``ep`` and ``tp``; ZeRO shards them over ``D_e = D / ep``).
+``ep`` and the expert-TP degree ``etp``; under EP, ZeRO >= 1 shards them over their ``edp`` replicas, their own
+FSDP: ``D_e = edp``, ZeRO-0 keeps them whole; :class:`~llmtrain.plan.layout.Layout`).
 
 Engine ``llmtrain`` (this trainer: fp32 parameters under ``torch.autocast``; under FSDP2 the blocks carry a
 16-bit ``MixedPrecisionPolicy``, distributed/parallelize.py; bytes per parameter of the slice a rank owns)::
@@ -45,7 +46,10 @@ bf16/fp16, 4 under fp32; h hidden, I the MLP width, q/kv/o the projection widths
 the router (4 E fp32 scores, 12 k index/weight bytes), its input cast (a h, llmtrain), the dispatched token
 copies (2 a k h llmtrain / a k h megatron), the experts' hidden states (4 a k H / 3 a k H, H =
 moe_hidden_size), the experts' output (a k h) and the shared experts' MLP; one layer's all-to-all send and
-receive buffers (2 k h tokens, fp32 in llmtrain, whose dispatch moves the fp32 residual) are transient.
+receive buffers (2 k h tokens, fp32 in llmtrain, whose dispatch moves the fp32 residual) are transient. The
+dispatched copies, the experts' output and the buffers count the rows one rank dispatches
+(``Layout.dispatch_share``: 1 / t with expert-TP 1, where each TP rank keeps its own rows, and in the
+megatron engines).
 
 ``full`` recompute keeps each block's input (fp32 / a bytes x h / t) plus one block while it is recomputed;
 ``selective`` recomputes one block in ``recompute_every``. In flight on pipeline rank r (M micro-batches):
@@ -145,7 +149,10 @@ def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False
     if not moe:
         return norms + gathered_attn + a * h + attention + 4 * a * args.intermediate_size / t
     router = a * h + 4 * e + 12 * k  # the gate's input cast, fp32 scores, top-k indices and weights
-    experts = 2 * a * k * h + 4 * a * k * hm / t + a * k * h
+    # the dispatched copies and the experts' output: the rows this rank dispatches (Layout.dispatch_share);
+    # the experts' hidden states: the rows its experts receive, at width H / etp (= 4 a k H / t either way)
+    share = lay.dispatch_share
+    experts = 2 * a * k * h * share + 4 * a * k * hm * lay.expert_rows_share / lay.etp + a * k * h * share
     shared = (casts * a * h + 4 * a * s * hm / t) if s else 0.0
     return norms + gathered_attn + attention + router + experts + shared
 
@@ -209,7 +216,8 @@ def _state_bytes(
             out["gathered_parameters"] = a * (2 * block + root)
         return out
     out["parameters"] = MASTER_BYTES * sharded
-    fsdp = dense + (expert if lay.ep == 1 else 0.0)  # experts under EP stay outside FSDP (whole, / ep)
+    # experts under EP: their own FSDP over the edp replicas with ZeRO >= 1, else outside FSDP (whole, / ep etp)
+    fsdp = dense + (expert if lay.ep == 1 or lay.expert_fsdp else 0.0)
     # bf16/fp16 under FSDP: the blocks are gathered in 16 bits (MixedPrecisionPolicy), the root in fp32
     policy = lay.precision != "fp32" and (lay.dp > 1 or lay.cp > 1)
     gathered = a if policy else MASTER_BYTES  # bytes of a gathered block parameter
@@ -231,7 +239,8 @@ def _state_bytes(
         out["unsharded_gradients"] = GRAD_BYTES * block  # one block's gradient before its reduce-scatter
     out["gradients"] = grads
     if policy:  # what autocast still casts: the head (root, fp32) and experts outside FSDP (EP)
-        out["autocast_weight_copies"] = a * (root - uncast + (expert if lay.ep > 1 else 0.0))
+        outside = expert if lay.ep > 1 and not lay.expert_fsdp else 0.0
+        out["autocast_weight_copies"] = a * (root - uncast + outside)
     elif lay.precision != "fp32":
         out["autocast_weight_copies"] = a * (whole - uncast)  # cached by autocast, saved for backward
     return out
@@ -242,7 +251,7 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
     dense, expert = rank_params(args, lay, shape)
     block = ps.dense_block(lay.tp, shape.moe_layers > 0)
     if shape.moe_layers:
-        block += ps.expert_block(lay.tp, lay.ep)
+        block += ps.expert_block(lay.etp, lay.ep)
     embed = ps.embedding(lay.tp) if shape.embedding else 0.0
     root = embed + (ps.head(lay.tp, lay.pp) if shape.head else 0.0)
     tied_cast = ps.embedding(lay.tp) if (shape.head and args.tie_word_embeddings and lay.pp == 1) else 0.0
@@ -276,7 +285,8 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
 
     dispatch = 0.0
     if shape.moe_layers and lay.ep > 1:  # one layer's all-to-all send + receive buffers
-        dispatch = 2 * tokens * args.top_k * args.hidden_size * (lay.act_bytes if lay.bf16_weights else 4)
+        rows = tokens * lay.dispatch_share * args.top_k * args.hidden_size
+        dispatch = 2 * rows * (lay.act_bytes if lay.bf16_weights else 4)
     logits = logits_bytes(args, lay, tokens) if shape.head else 0.0
     details = {
         "gathered_parameters": st["gathered_parameters"],

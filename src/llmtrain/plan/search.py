@@ -5,11 +5,11 @@
 and :func:`search` enumerates the alternatives a user could configure on the same cluster with the same global
 batch and sequence length:
 
-* ``tp`` a divisor of the devices per node (TP stays inside a node); ``pp`` a divisor of the layer count;
-  ``cp`` 1, 2, 4, 8, ... dividing the devices left by tp x pp, with ``seq % (2 cp) == 0``, proposed only where
-  the context-parallel rules (``llmtrain/context_rules.py``, through the feasibility check below) accept it:
-  dense, no PP, MLA, compile, fp8 or CPU offload; ``ep`` the config's for an MoE model, else 1; ``dp`` the
-  rest of the devices, which must divide the global batch with the micro-batch size;
+* ``tp`` a divisor of the devices per node (TP stays inside a node); ``pp`` a divisor of the layer count
+  (up to 64); ``cp`` 1, 2, 4, 8, ... dividing the devices left by tp x pp, with ``seq % (2 cp) == 0``, with
+  any pp; ``dp`` the rest of the devices, which must divide the global batch with the micro-batch size; for
+  an MoE model ``ep`` every divisor of ``num_experts`` that divides the stage's ``dp x cp x tp`` ranks (the
+  expert mesh, :class:`~llmtrain.plan.layout.Layout`; expert-TP by ``moe_rules.expert_tp``), else 1;
 * ZeRO 0, 2, 3 (1 is run as 2); recompute none / selective / full (and offload when the config uses it);
   micro-batch 1, 2, 4, 8;
 * with ``pp > 1``: 1f1b and interleaved_1f1b (2 virtual stages when the layers allow), and at least ``pp``
@@ -17,8 +17,10 @@ batch and sequence length:
 
 Which of those training would run is not decided here: each candidate is written as the run config a user
 would give it (:func:`layout_config`) and dropped when :func:`llmtrain.feasibility.layout_problems` reports a
-fatal problem (heads / FFN / sequence not divisible by tp, MoE with tp / pp, tied embeddings with pp, CPU
-offload without data parallel, ...), so ``--search`` never proposes a layout ``llmtrain train`` refuses. The configured layout itself
+fatal problem (heads / FFN / sequence / experts not divisible by the degrees, tied embeddings with pp, the
+context-parallel rules of ``llmtrain/context_rules.py``, ...), so ``--search`` never proposes a layout
+``llmtrain train`` refuses; :func:`layout_overrides` writes a candidate as the overrides ``llmtrain check``
+takes. :func:`search` costs memory first and times only the layouts that fit. The configured layout itself
 (:func:`layout_from_config`) is refused only for the ``split`` rules, where the cost model could not split the
 model; the other refusals are this version's limits, and the planner also costs what-if layouts.
 
@@ -127,6 +129,22 @@ def layout_config(lay: Layout, global_batch: int, compile: bool = False) -> Conf
     return Config(model=model, parallel=parallel, train=train)
 
 
+def layout_overrides(lay: Layout) -> list[str]:
+    """The ``section.key=value`` overrides that turn a run config into ``lay`` (what ``llmtrain check`` /
+    ``train`` take; ``--search --json`` lists them per ranked layout). The degrees, ZeRO stage, schedule,
+    micro-batch and recompute; ``pipeline_layers`` reset to an even split, as the search costs it."""
+    out = [f"parallel.data_parallel={lay.dp}", f"parallel.tensor_parallel={lay.tp}",
+           f"parallel.pipeline_parallel={lay.pp}", f"parallel.context_parallel={lay.cp}",
+           f"parallel.expert_parallel={lay.ep}", f"parallel.zero_stage={lay.zero_stage}",
+           f"parallel.data_parallel_replicate={lay.dp_replicate if lay.zero_stage else 1}",
+           f"parallel.schedule={lay.schedule}", f"parallel.virtual_stages={lay.virtual_stages}",
+           "parallel.pipeline_layers=" + (f"[{','.join(map(str, lay.pipeline_layers))}]"
+                                          if lay.pipeline_layers is not None else "null"),
+           f"parallel.cpu_offload={str(lay.offload).lower()}", f"train.micro_batch_size={lay.micro_batch_size}",
+           f"recompute.mode={lay.recompute}"]  # fmt: skip
+    return out
+
+
 def refused(lay: Layout, global_batch: int, world_size: int, args: TransformerArgs, compile: bool) -> bool:
     """Whether training would refuse ``lay``: a fatal feasibility problem (context-parallel rules included) or
     the trainer's fp8 rule; the same functions ``llmtrain train`` asks."""
@@ -167,40 +185,44 @@ def candidate_layouts(
     tps = [t for t in _divisors(cluster.devices_per_node) if t <= n]
     pps = [p for p in _divisors(args.num_layers) if p <= 64]
     cps = [2**i for i in range(n.bit_length()) if n % 2**i == 0 and base.seq_length % 2 ** (i + 1) == 0]
-    ep = base.ep if args.num_experts else 1
     out: list[Layout] = []
     for tp, pp, cp in itertools.product(tps, pps, cps):
         if n % (tp * pp * cp):
             continue
         dp = n // (tp * pp * cp)
-        probe = replace(
-            base,
-            tp=tp,
-            pp=pp,
-            cp=cp,
-            ep=ep,
-            dp_replicate=1,
-            dp_shard=dp,
-            virtual_stages=1,
-            pipeline_layers=None,
-        )
-        modes = ("none", "selective", "full") + (("offload",) if base.recompute == "offload" else ())
-        for mbs, zero, rc in itertools.product((1, 2, 4, 8), (0, 2, 3), modes):
-            if global_batch % (mbs * dp):
-                continue
-            accum = global_batch // (mbs * dp)
-            if pp > 1 and accum < pp:
-                continue  # fewer micro-batches than stages: mostly bubble
-            scheds = [("1f1b", 1)]
-            if pp > 1 and args.num_layers % (2 * pp) == 0 and accum % pp == 0:
-                scheds.append(("interleaved_1f1b", 2))
-            for sched, vs in scheds:
-                lay = replace(
-                    probe, zero_stage=zero, micro_batch_size=mbs, grad_accum=accum, recompute=rc,
-                    schedule=sched if pp > 1 else base.schedule, virtual_stages=vs,
-                )  # fmt: skip
-                if not refused(lay, global_batch, n, args, compile):
-                    out.append(lay)
+        # EP regroups a stage's dp x cp x tp ranks (plan/layout.py): every divisor of the expert count that
+        # divides them; whether training runs it (and with which expert-TP) is the feasibility rules' call
+        eps = [e for e in _divisors(args.num_experts) if (dp * cp * tp) % e == 0] if args.num_experts else [1]
+        for ep in eps:
+            probe = replace(base, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=1, dp_shard=dp, virtual_stages=1,
+                            pipeline_layers=None)  # fmt: skip
+            out += _batch_variants(args, base, probe, global_batch, n, compile)
+    return out
+
+
+def _batch_variants(
+    args: TransformerArgs, base: Layout, probe: Layout, global_batch: int, n: int, compile: bool
+) -> list[Layout]:
+    """The ZeRO / recompute / micro-batch / schedule variants of the degrees ``probe`` that training runs."""
+    out: list[Layout] = []
+    dp, pp = probe.dp, probe.pp
+    modes = ("none", "selective", "full") + (("offload",) if base.recompute == "offload" else ())
+    for mbs, zero, rc in itertools.product((1, 2, 4, 8), (0, 2, 3), modes):
+        if global_batch % (mbs * dp):
+            continue
+        accum = global_batch // (mbs * dp)
+        if pp > 1 and accum < pp:
+            continue  # fewer micro-batches than stages: mostly bubble
+        scheds = [("1f1b", 1)]
+        if pp > 1 and args.num_layers % (2 * pp) == 0 and accum % pp == 0:
+            scheds.append(("interleaved_1f1b", 2))
+        for sched, vs in scheds:
+            lay = replace(
+                probe, zero_stage=zero, micro_batch_size=mbs, grad_accum=accum, recompute=rc,
+                schedule=sched if pp > 1 else base.schedule, virtual_stages=vs,
+            )  # fmt: skip
+            if not refused(lay, global_batch, n, args, compile):
+                out.append(lay)
     return out
 
 
@@ -211,8 +233,10 @@ def search(
     """(best ``top`` fitting layouts by tokens/s per device, candidates tried, candidates that fit).
     ``fused``: the run compiles (``train.compile``; fused kernels in the time model)."""
     global_batch = tokens_per_step // base.seq_length
-    results = [evaluate(args, lay, cluster, tokens_per_step, fused, eff)
-               for lay in candidate_layouts(args, base, cluster, global_batch, compile=fused)]  # fmt: skip
-    fitting = [r for r in results if r.memory.fits]
+    candidates = candidate_layouts(args, base, cluster, global_batch, compile=fused)
+    capacity = cluster.device.usable_bytes
+    # memory first, the cheap half: only the layouts that fit are timed (the ranking is over those alone)
+    fits = [lay for lay in candidates if estimate_memory(args, lay, capacity=capacity).fits]
+    fitting = [evaluate(args, lay, cluster, tokens_per_step, fused, eff) for lay in fits]
     fitting.sort(key=lambda r: (-r.tokens_per_s_per_device, r.memory.total))
-    return fitting[:top], len(results), len(fitting)
+    return fitting[:top], len(candidates), len(fitting)

@@ -21,9 +21,13 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
   (its linear layers overlap them with the dgrad / wgrad GEMMs); ``tp_overlap`` hides the forward ones behind
   the forward GEMMs as well. ``llmtrain`` also all-gathers the logits over the vocabulary.
 * **EP** all-to-all: per MoE block 2 exchanges forward (dispatch, combine) and 2 backward (+2 with full
-  recompute) of ``T / t x top_k x h`` (fp32 dispatch in ``llmtrain``, whose router input is the fp32
-  residual stream), ``(ep - 1) / ep`` of it leaving the rank, at the intra-node bandwidth for the peers in
-  the node and the inter-node one for the rest (in parallel). Exposed (neither engine overlaps it).
+  recompute) of the rows the rank dispatches, ``T x top_k x h x Layout.dispatch_share`` (``T / t`` with
+  expert-TP 1 and in the megatron engines, all ``T`` in this trainer with expert-TP ``t``; fp32 dispatch in
+  ``llmtrain``, whose router input is the fp32 residual stream), over the ``ep`` group of the expert mesh
+  (peers ``etp`` ranks apart), ``(ep - 1) / ep`` of it leaving the rank, at the intra-node bandwidth for the
+  peers in the node and the inter-node one for the rest (in parallel). Exposed (neither engine overlaps it).
+  Expert replicas (``edp > 1``): with ZeRO >= 1 their own FSDP gathers them and reduce-scatters their
+  gradients over ``edp``; ZeRO-0 all-reduces their gradients.
 * **CP**, engine ``llmtrain`` (the trainer, :mod:`~llmtrain.plan.long_context`): per layer forward an
   all-gather of K and of V (``(cp - 1) / cp`` of ``b s kv / t`` elements each), backward a reduce-scatter of
   their gradients (the same volume; the forward again under full recompute), exposed (run in line); the dense
@@ -245,10 +249,11 @@ def _rank_time(
     # expert parallel all-to-all, exposed
     ep = 0.0
     if shape.moe_layers and lay.ep > 1:
-        rows = tokens / t * k * h
+        rows = tokens * lay.dispatch_share * k * h  # the rows this rank dispatches (plan/layout.py)
         dispatch = rows * (MASTER_BYTES if not mega and lay.precision != "fp32" else a)
-        one_way = _all_to_all(dispatch, lay.ep, t * cp, cluster, eff) + _all_to_all(
-            rows * a, lay.ep, t * cp, cluster, eff
+        # the ep group of the expert mesh (pp, edp, ep, etp) over the stage's ranks: peers etp apart
+        one_way = _all_to_all(dispatch, lay.ep, lay.etp, cluster, eff) + _all_to_all(
+            rows * a, lay.ep, lay.etp, cluster, eff
         )
         ep = shape.moe_layers * one_way * (2 + rc)
 
@@ -277,7 +282,7 @@ def _dp_traffic(
     """(gather once per step, reduce once per step, traffic per micro-batch) in seconds, one rank."""
     t, cp = lay.tp, lay.cp
     mega = lay.bf16_weights
-    fsdp = dense + (expert if lay.ep == 1 else 0.0)
+    fsdp = dense + (expert if lay.ep == 1 else 0.0)  # under EP the experts have their own group, below
     pbytes = lay.act_bytes if mega else MASTER_BYTES  # gathered parameter dtype
     gbytes = lay.act_bytes if (mega and lay.zero_stage > 0) else 4  # reduced gradient dtype
     shard = lay.dp_shard * cp if lay.zero_stage > 0 else 1
@@ -291,10 +296,19 @@ def _dp_traffic(
         gather = _collective(pbytes * fsdp, shard, shard_bw, eff)
         reduce = _collective(gbytes * fsdp, shard, shard_bw, eff, "rs")
         reduce += _collective(gbytes * fsdp / shard, rep, rep_bw, eff, "ar")
-    edp = (lay.dp * cp) // lay.ep if lay.ep > 1 else 1  # experts under EP: their own data-parallel group
+    edp = lay.edp if lay.ep > 1 else 1  # experts under EP: their replicas, ranks ep x etp apart
+    replica_mb = 0.0
     if edp > 1:
-        edp_bw = group_bandwidth(cluster, edp, t * cp * lay.ep, eff)
-        reduce += _collective(gbytes * expert, edp, edp_bw, eff, "ar")
+        edp_bw = group_bandwidth(cluster, edp, lay.ep * lay.etp, eff)
+        if lay.expert_fsdp:  # their own FSDP over the replicas: gathered, gradients reduce-scattered
+            gather += _collective(pbytes * expert, edp, edp_bw, eff)
+            reduce += _collective(gbytes * expert, edp, edp_bw, eff, "rs")
+        else:  # ZeRO-0: every replica keeps them whole; this trainer sums each micro-batch's expert gradient
+            summed = _collective(gbytes * expert, edp, edp_bw, eff, "ar")  # over the replicas (a hook)
+            if mega:
+                reduce += summed
+            else:
+                replica_mb = summed
     mode = lay.grad_sync
     if lay.zero_stage == 3 and lay.reshards_after_forward:  # gathered for forward and again for backward
         per_mb = 2 * gather
@@ -305,8 +319,8 @@ def _dp_traffic(
             return 0.0, reduce - rs, per_mb + rs
         return 0.0, reduce, per_mb
     if mode == "per_microbatch":
-        return 0.0, 0.0, gather + reduce
-    return gather, reduce, 0.0
+        return 0.0, 0.0, gather + reduce + replica_mb
+    return gather, reduce, replica_mb
 
 
 def estimate_step_time(

@@ -2,8 +2,9 @@
 
 Order of the checks (the first failure is the one reported):
 
-1. choices (``_CHOICES``) and ranges (``_RANGES``): tables of dotted key -> allowed values / predicate, so
-   adding a rule is one line and the message always names the key;
+1. choices (``_CHOICES`` and the schema's ``Literal`` types) and ranges (``config.ranges.RANGES``, the table
+   the loader applies too): tables of dotted key -> allowed values / range, so adding a rule is one line and
+   the message always names the key and the valid range;
 2. data: dataset prefixes and the tokenizer. A dataset missing on this machine is an error only with
    ``require_data`` (``train``); ``check`` passes False and gets a warning, since seed paths are cluster paths.
    Each present dataset is described by ``llmtrain.data.describe`` (its manifest, or a plain Megatron
@@ -41,11 +42,11 @@ import dataclasses
 import operator
 import types
 import typing
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.config.loader import choice_error, literal_values
+from llmtrain.config.ranges import check_config_ranges
 from llmtrain.config.schema import Config
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.feasibility import layout_problems, raise_fatal
@@ -58,55 +59,6 @@ if TYPE_CHECKING:
 # run.device_target stays a string because the seed's spellings (Ascend, GPU, CPU) are mapped onto these.
 _CHOICES: dict[str, tuple[Any, ...]] = {"run.device_target": ("auto", "cpu", "cuda", "npu")}
 _HINTS = {"run.device_target": " (in a config file Ascend, GPU and CPU are also accepted and mapped)"}
-
-_POS, _NONNEG = (lambda v: v > 0), (lambda v: v >= 0)
-_ONE_UP = lambda v: v >= 1  # noqa: E731
-_OPT = lambda rule: lambda v: v is None or rule(v)  # noqa: E731
-_RANGES: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("model.seq_length", _ONE_UP, "an integer >= 1"),
-    ("model.init_std", _POS, "a number > 0"),
-    ("model.partial_rotary_factor", _OPT(lambda v: 0 < v <= 1), "a number in (0, 1]"),
-    ("train.max_steps", _ONE_UP, "an integer >= 1"),
-    ("train.epochs", _OPT(_ONE_UP), "an integer >= 1 or null"),
-    ("train.lr", _POS, "a number > 0"),
-    ("train.min_lr", _NONNEG, "a number >= 0"),
-    ("train.weight_decay", _NONNEG, "a number >= 0"),
-    ("train.beta1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    ("train.beta2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    ("train.eps", _POS, "a number > 0"),
-    ("train.warmup_steps", _NONNEG, "an integer >= 0"),
-    ("train.decay_steps", _OPT(_ONE_UP), "an integer >= 1 or null"),
-    ("train.wsd_decay_fraction", lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    ("train.grad_clip_norm", _OPT(_NONNEG), "a number >= 0 or null"),
-    ("train.initial_loss_scale", _POS, "a number > 0"),
-    ("train.loss_scale_window", _ONE_UP, "an integer >= 1"),
-    ("train.label_smoothing", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    ("train.log_steps", _ONE_UP, "an integer >= 1"),
-    ("train.eval_steps", _NONNEG, "an integer >= 0"),
-    ("data.valid_fraction", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    ("data.num_workers", _NONNEG, "an integer >= 0"),
-    ("checkpoint.save_steps", _NONNEG, "an integer >= 0"),
-    ("checkpoint.keep_checkpoint_max", _ONE_UP, "an integer >= 1"),
-    ("eval.eval_iters", _ONE_UP, "an integer >= 1"),
-    ("run.dist_timeout_s", _ONE_UP, "an integer >= 1"),
-    ("run.threads", _OPT(_ONE_UP), "an integer >= 1 or null"),
-    ("parallel.micro_batch_num", _ONE_UP, "an integer >= 1"),
-    ("parallel.virtual_stages", _ONE_UP, "an integer >= 1"),
-    ("parallel.zero_stage", _OPT(lambda v: 0 <= v <= 3), "0, 1, 2, 3 or null"),
-    ("parallel.zero_level", _OPT(lambda v: 1 <= v <= 3), "1, 2, 3 or null"),
-    ("logging.peak_tflops", _OPT(_POS), "a number > 0 or null"),
-    ("logging.profile_every", _NONNEG, "an integer >= 0 (0: off)"),
-    ("logging.profile_steps", _NONNEG, "an integer >= 0 (0: off)"),
-    ("logging.straggler_margin", _POS, "a number > 0 (0.2 = 20% slower than the median)"),
-    ("logging.straggler_patience", _ONE_UP, "an integer >= 1"),
-    ("fault.slow_seconds", _NONNEG, "a number >= 0"),
-    ("recompute.every", _ONE_UP, "an integer >= 1"),
-    ("train.loss_chunk_tokens", _OPT(_NONNEG), "an integer >= 0 (0: off) or null (automatic)"),
-    ("eval.downstream_steps", _NONNEG, "an integer >= 0 (0 = off)"),
-    ("eval.batch_size", _ONE_UP, "an integer >= 1"),
-    ("eval.limit", _OPT(_ONE_UP), "an integer >= 1 or null (all items)"),
-    ("eval.num_fewshot", _OPT(_NONNEG), "an integer >= 0 or null (the task's default)"),
-]
 
 
 def validate(cfg: Config, world_size: int = 1, require_data: bool = True) -> list[str]:
@@ -244,10 +196,7 @@ def _check_fields(cfg: Config) -> None:
         for item in value if is_list else [value]:
             if item not in allowed:
                 raise ConfigError(choice_error(key, item, allowed, _HINTS.get(key, "")))
-    for key, ok, what in _RANGES:
-        value = _get(cfg, key)
-        if not ok(value):
-            raise ConfigError(f"{key}: expected {what}, got {value!r}.")
+    check_config_ranges(cfg)  # every number against its range (config/ranges.py, the loader's table too)
     train = cfg.train
     if train.min_lr > train.lr:
         raise ConfigError(
@@ -264,8 +213,6 @@ def _check_fields(cfg: Config) -> None:
             raise ConfigError(
                 f"data.datasets[{i}].path is empty: give the prefix written by `llmtrain prepare`."
             )
-        if not spec.weight > 0:
-            raise ConfigError(f"data.datasets[{i}].weight: expected a number > 0, got {spec.weight!r}.")
 
 
 def _check_downstream(cfg: Config) -> None:

@@ -12,13 +12,18 @@ the key becomes. The entries are data where they can be:
 * a function ``(ctx, dotted_name, value)`` for anything else.
 
 :func:`walk` applies a spec to a mapping; a key with no entry is a ConfigError naming it, with the closest
-known key. :class:`Notes` collects what ``llmtrain check`` prints: one summary of renames, one line per
+known key. :class:`To`, :class:`Fact` and :func:`collect` entries may name the type their value must have
+(``expect``: :data:`EXPECT`); :func:`typed`, the one typed read, checks it as the key is read, so a value of the
+wrong type (``num_layers: "32"``, ``32.0``, ``[32]``) is a ConfigError naming the key and the file before any
+computation sees it. :class:`Notes` collects what ``llmtrain check`` prints: one summary of renames, one line per
 reinterpreted key, and the ignored keys grouped by reason.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -32,6 +37,7 @@ class To:
 
     target: str
     convert: Callable[[Any], Any] | None = None
+    expect: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class Fact:
     """Kept as ``ctx.facts[name]`` for a computation after the walk."""
 
     name: str
+    expect: str | None = None
 
 
 Handler = Callable[["Ctx", str, Any], None]
@@ -128,11 +135,12 @@ def ignore_all(reason: str, keys: str) -> Spec:
     return {k: Ignore(reason) for k in names(keys)}
 
 
-def collect(kind: str, canonical: str) -> Handler:
+def collect(kind: str, canonical: str, expect: str | None = None) -> Handler:
     """A handler keeping the value as ``ctx.facts[kind][canonical] = (name, value)``; two spellings of one key
-    (``num_layers`` and ``num_hidden_layers``) must agree."""
+    (``num_layers`` and ``num_hidden_layers``) must agree; ``expect``: the value's type (:func:`typed`)."""
 
     def handler(ctx: Ctx, name: str, value: Any) -> None:
+        value = typed(ctx, name, value, expect)
         seen = ctx.facts.setdefault(kind, {})
         if canonical in seen and seen[canonical][1] != value:
             raise ctx.error(name, f"{value!r} contradicts {seen[canonical][0]} {seen[canonical][1]!r}.")
@@ -171,6 +179,8 @@ def walk(ctx: Ctx, prefix: str, mapping: Any, spec: Spec) -> None:
 def apply(ctx: Ctx, name: str, value: Any, entry: Entry) -> None:
     """Apply one spec entry to the key ``name`` holding ``value``."""
     if isinstance(entry, To):
+        expect = entry.expect or (expect_of(entry.target) if entry.convert is None else None)
+        value = typed(ctx, name, value, expect)
         ctx.put(entry.target, entry.convert(value) if entry.convert else value)
         ctx.notes.renamed(name, entry.target)
     elif isinstance(entry, Ignore):
@@ -181,10 +191,78 @@ def apply(ctx: Ctx, name: str, value: Any, entry: Entry) -> None:
             raise ctx.error(name, f"{value!r} is not supported: {entry.refusal} (accepted: {shown}).")
         ctx.notes.ignore(name, entry.reason)
     elif isinstance(entry, Fact):
-        ctx.facts[entry.name] = value
+        ctx.facts[entry.name] = typed(ctx, name, value, entry.expect)
         ctx.facts[entry.name + "@"] = name  # where it was written, for messages
     else:
         entry(ctx, name, value)
+
+
+# expect -> (what the value must be, the check); null always passes (the key is unset: MindFormers' default)
+EXPECT: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("an integer", lambda v: _is_int(v)),
+    "int0": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "int1": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "num": ("a number", lambda v: _is_num(v)),
+    "num0": ("a number >= 0", lambda v: _is_num(v) and v >= 0),
+    "num+": ("a number > 0", lambda v: _is_num(v) and v > 0),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+}
+
+
+_YAML_EXPONENT = re.compile(r"[-+]?[0-9]+[eE][-+]?[0-9]+")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def expect_of(target: str) -> str | None:
+    """The :data:`EXPECT` of the native dotted key ``target`` from its annotation in ``config.schema`` (int ->
+    int, float -> num, bool -> bool; None for anything else), for entries that name no type themselves."""
+    import dataclasses
+    import typing
+
+    from llmtrain.config.schema import Config
+
+    node: Any = Config
+    hint: Any = None
+    for part in target.split("."):
+        if not dataclasses.is_dataclass(node):
+            return None
+        hint = typing.get_type_hints(node).get(part)
+        if hint is None:
+            return None
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        node = args[0] if len(args) == 1 and typing.get_origin(hint) is not None else hint
+    return {int: "int", float: "num", bool: "bool"}.get(node)
+
+
+def typed(ctx: Ctx, name: str, value: Any, expect: str | None) -> Any:
+    """``value`` when it has the type ``expect`` names (:data:`EXPECT`; None: any) or is null, else a ConfigError
+    naming the file, the MindFormers key, the value and its type. The one typed read of the adapter."""
+    if expect is None or value is None:
+        return value
+    what, ok = EXPECT[expect]
+    if ok(value):
+        return value
+    if expect.startswith("num") and isinstance(value, str) and _YAML_EXPONENT.fullmatch(value.strip()):
+        number = float(
+            value
+        )  # 1e-5: a number YAML 1.1 reads as a string (no dot); MindFormers' files write 1.e-5
+        if ok(number):
+            return number
+    hint = ""
+    if isinstance(value, str):
+        hint = " YAML reads a quoted value as a string: write the number without quotes."
+    elif isinstance(value, float) and expect.startswith("int"):
+        hint = " MindFormers uses it as a count: write it without a decimal point."
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise ctx.error(name, f"expected {what}, got {shown} (a {type(value).__name__}).{hint}")
 
 
 def same(value: Any, allowed: Any) -> bool:
@@ -221,8 +299,9 @@ def lookup(table: dict[str, str], value: Any, name: str, source: str) -> str:
 
 
 def int_value(ctx: Ctx, name: str, value: Any, minimum: int = 0) -> int:
-    """``value`` as an integer >= minimum, or ConfigError naming the key."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an integer >= minimum, or ConfigError naming the key (:func:`typed`)."""
+    typed(ctx, name, value, "int")
+    if value is None or value < minimum:
         raise ctx.error(name, f"expected an integer >= {minimum}, got {value!r}.")
     return value
 

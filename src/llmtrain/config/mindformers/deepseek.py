@@ -8,9 +8,9 @@ The walk collects these keys as *pending* (``tables.MLA_KEYS``) whatever the mod
   ``qk_rope_head_dim`` (mcore: ``qk_pos_emb_head_dim``), ``qk_nope_head_dim`` (mcore: ``qk_head_dim``),
   ``v_head_dim``; a key the file leaves out takes DeepseekV3Config's default (512 / 1536 / 64 / 128 / 128).
   ``multi_latent_attention`` must be true; ``mla_qkv_concat`` is a weight layout.
-* routing: ``routed_scaling_factor``, ``n_group`` / ``topk_group`` (group-limited routing). Absent keys take
-  the defaults of the layout's config class: 1.x ``MoEConfig`` 1.0 / none / none (no groups), 2.x
-  ``DeepseekV3Config`` 2.5 / 8 / 4. ``topk_method`` is checked to be a DeepSeek method and otherwise ignored.
+* routing: ``routed_scaling_factor`` and ``n_group`` / ``topk_group`` are options of every MoE router
+  (``moe.py``; absent, they take 1.x ``MoEConfig``'s 1.0 / no groups, or 2.x ``DeepseekV3Config``'s 2.5 / 8 /
+  4 from ``tables.MODEL_DEFAULTS``). ``topk_method`` is checked to be a DeepSeek method and otherwise ignored.
 * YaRN: ``mscale``, ``mscale_all_dim``, ``beta_fast``, ``beta_slow`` at the top level join the YaRN
   ``scaling_factor`` (``extend_method: YARN``); without YaRN they change nothing and are ignored.
 * multi-token prediction (``mtp_depth`` / ``num_nextn_predict_layers`` / ``mtp_num_layers``, with
@@ -41,16 +41,6 @@ _MLA = {  # MindFormers / mcore spelling -> model.* key
     "qk_nope_head_dim": "qk_nope_head_dim",
     "qk_head_dim": "qk_nope_head_dim",
     "v_head_dim": "v_head_dim",
-}
-_ROUTING = {
-    "routed_scaling_factor": "routed_scaling_factor",
-    "n_group": "n_group",
-    "topk_group": "topk_group",
-}
-# 2.x layout? -> defaults of routed_scaling_factor, n_group, topk_group (None: no groups)
-ROUTING_DEFAULTS: dict[bool, dict[str, Any]] = {
-    False: {"routed_scaling_factor": 1.0, "n_group": None, "topk_group": None},
-    True: {"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4},
 }
 YARN_KEYS = ("mscale", "mscale_all_dim", "beta_fast", "beta_slow")
 MTP_KEYS = ("mtp_depth", "num_nextn_predict_layers", "mtp_num_layers")
@@ -103,21 +93,6 @@ def finish_deepseek(ctx: Ctx, yarn: bool, layout2: bool) -> None:
         ctx.notes.ignore(name, "the deepseek_v3 family is MLA")
     if "mla_qkv_concat" in got:
         ctx.notes.ignore(got["mla_qkv_concat"][0], "a weight layout (fused MLA projections): same math")
-    routing_defaults = []
-    for key, target in _ROUTING.items():
-        value = got[key][1] if key in got else ROUTING_DEFAULTS[layout2][key]
-        if key != "routed_scaling_factor" and value in (None, 0):
-            value = 1  # no groups
-        ctx.put(f"model.moe.{target}", value)
-        if key in got:
-            ctx.notes.renamed(got[key][0], f"model.moe.{target}")
-        else:
-            routing_defaults.append(f"model.moe.{target} {value!r}")
-    if routing_defaults:
-        ctx.notes.add(
-            f"MindFormers' {'DeepseekV3Config' if layout2 else 'MoEConfig'} defaults for routing keys the file "
-            f"leaves out: {', '.join(routing_defaults)}."
-        )
     if "topk_method" in got:
         name, method = got["topk_method"]
         if method not in (*_TOPK_METHODS, None):

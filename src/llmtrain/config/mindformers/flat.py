@@ -21,7 +21,15 @@ import copy
 import difflib
 from typing import Any
 
-from llmtrain.config.mindformers.common import DEVICE_TARGETS, compile_from_mode, lookup, put
+from llmtrain.config.mindformers.common import (
+    DEVICE_TARGETS,
+    Ctx,
+    compile_from_mode,
+    expect_of,
+    lookup,
+    put,
+    typed,
+)
 from llmtrain.errors import ConfigError
 
 # Top-level keys that only the MindFormers layout has; any one of them selects the adapter.
@@ -148,7 +156,7 @@ def _map_key(
     name = f"{section}.{key}" if section else key
     if (section, key) in _RENAMES:
         target = _RENAMES[(section, key)]
-        put(out, target, value)
+        put(out, target, typed(Ctx(source), name, value, expect_of(target)))
         renamed.append(f"{name} -> {target}")
     elif (section, key) in _IGNORED:
         notes.append(f"{name}: {value!r} ignored: {_IGNORED[(section, key)]}.")

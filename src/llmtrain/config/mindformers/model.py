@@ -47,8 +47,6 @@ from llmtrain.config.mindformers.deepseek import finish_deepseek, mtp_layers, ya
 from llmtrain.config.mindformers.moe import MOE_SPEC, finish_moe
 from llmtrain.errors import ConfigError
 
-# canonical name -> native key (None: used by a computation below)
-
 # canonical name -> native key (None: read by a computation in finish_model / finish_pipeline)
 ARCH: dict[str, str | None] = {
     "hidden_size": "model.hidden_size", "num_layers": "model.num_layers", "num_heads": "model.num_heads",
@@ -62,6 +60,18 @@ ARCH: dict[str, str | None] = {
     "rope_scaling": None, "compute_dtype": None, "offset": None, "pp_interleave_num": None, "untie": None,
     "type": None, "model_type": None, "checkpoint_name_or_path": None,
 }  # fmt: skip
+# canonical name -> the type its value must have (common.typed); the others are checked where they are read
+TYPES: dict[str, str] = {
+    **dict.fromkeys(
+        ("hidden_size", "num_layers", "num_heads", "n_kv_heads", "intermediate_size", "vocab_size", "head_dim",
+         "seq_length", "multiple_of", "pp_interleave_num"),
+        "int1",
+    ),
+    **dict.fromkeys(("rms_norm_eps", "theta", "initializer_range", "partial_rotary_factor"), "num+"),
+    "ffn_dim_multiplier": "num+",
+    **dict.fromkeys(("qkv_has_bias", "qk_layernorm", "tie_word_embeddings", "use_flash_attention", "untie"), "bool"),
+    "checkpoint_name_or_path": "str",
+}  # fmt: skip
 ALIASES = {  # Hugging Face / mcore spelling -> canonical name
     "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads", "num_key_value_heads": "n_kv_heads",
     "num_query_groups": "n_kv_heads", "multi_query_group_num": "n_kv_heads", "ffn_hidden_size": "intermediate_size",
@@ -74,15 +84,14 @@ ALIASES = {  # Hugging Face / mcore spelling -> canonical name
 # the keys it qualifies are off).
 NEUTRAL: dict[str, tuple[Any, ...] | None] = {
     "mtp_depth": (0, None), "num_nextn_predict_layers": (0, None), "mtp_num_layers": (0, None),
-    "routed_scaling_factor": (1, 1.0, None), "n_group": (None, 0, 1), "topk_group": (None, 0, 1),
     "topk_method": ("greedy", None), "multi_latent_attention": (False, None), "mtp_loss_factor": None,
     "mtp_loss_scaling_factor": None,
 }  # fmt: skip
 _OFF = "llmtrain's families do not implement it"
 _NO_DROPOUT = Only((0, 0.0), "0: llmtrain's models have no dropout", "llmtrain's models have no dropout")
 MODEL_CONFIG_SPEC: Spec = {
-    **{k: collect("model", k) for k in ARCH},
-    **{k: collect("model", c) for k, c in ALIASES.items()},
+    **{k: collect("model", k, TYPES.get(k)) for k in ARCH},
+    **{k: collect("model", c, TYPES.get(c)) for k, c in ALIASES.items()},
     **MOE_SPEC,
     **{k: pending for k in T.MLA_KEYS},
     "hidden_act": Only(
@@ -217,12 +226,15 @@ def finish_model(ctx: Ctx) -> str | None:
             f"MindFormers defaults of {kind} for keys the file leaves out: {', '.join(used_defaults)}."
         )
     if value["checkpoint_name_or_path"] not in (None, ""):
-        raise ctx.error(
-            m["checkpoint_name_or_path"][0],
-            f"{value['checkpoint_name_or_path']!r}: MindSpore weights cannot be loaded; convert them to a Hugging "
-            "Face directory and set model.init_from: hf:DIR (or leave it empty to start from scratch).",
+        # run_mindformer.py: run_mode train -> Trainer.train(), which sets checkpoint_name_or_path to None; weights
+        # come only from load_checkpoint, refused when set (sections.TOP_IGNORED), as run_mode other than train is
+        ctx.notes.add(
+            f"{m['checkpoint_name_or_path'][0]}: {value['checkpoint_name_or_path']!r} dropped, as MindFormers drops "
+            "it: with run_mode train and an empty load_checkpoint its Trainer.train() sets checkpoint_name_or_path "
+            "to None and loads no weights, so pretraining starts from initialised weights (to start from existing "
+            "weights, convert them to a Hugging Face directory and set model.init_from: hf:DIR)."
         )
-    if "checkpoint_name_or_path" in m:
+    elif "checkpoint_name_or_path" in m:
         ctx.notes.ignore(m["checkpoint_name_or_path"][0], "empty: the run starts from initialised weights")
     if is_moe or ctx.facts.get("moe"):
         finish_moe(ctx, defaults, layout2)
@@ -317,11 +329,11 @@ def _pending_check(ctx: Ctx, key: str, family: str | None) -> str | None:
     for name, value in ctx.facts.get("pending", []):
         neutral = NEUTRAL.get(name.rsplit(".", 1)[-1], (None,))
         if neutral is None or any(same(value, v) for v in neutral):
-            ctx.notes.ignore(name, "off in this file (an MLA / MTP / DeepSeek-routing setting)")
+            ctx.notes.ignore(name, "off in this file (an MLA / MTP / DeepSeek top-k method setting)")
             continue
         raise ConfigError(
             f"{ctx.source}: {name}: {value!r} is not supported: it is a DeepSeek-V3 setting (Multi-head Latent "
-            f"Attention, multi-token prediction or scaled / grouped expert routing) and model type {key!r} "
+            f"Attention, multi-token prediction or DeepSeek's top-k method) and model type {key!r} "
             f"(llmtrain family {family}) has no such part; remove it or set it off."
         )
     return None

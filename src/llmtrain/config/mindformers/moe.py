@@ -15,7 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.config.mindformers import tables as T
-from llmtrain.config.mindformers.common import Ctx, Ignore, Only, Spec, collect, ignore_all, pending, walk
+from llmtrain.config.mindformers.common import (
+    Ctx,
+    Ignore,
+    Only,
+    Spec,
+    collect,
+    ignore_all,
+    lookup,
+    pending,
+    walk,
+)
 
 MOE = {  # MindFormers spelling -> canonical name
     "num_experts": "num_experts", "n_routed_experts": "num_experts", "expert_num": "num_experts",
@@ -31,21 +41,28 @@ MOE = {  # MindFormers spelling -> canonical name
     "moe_router_load_balancing_type": "balancing", "first_k_dense_replace": "first_dense_layers",
     "decoder_sparse_step": "every", "moe_layer_freq": "every", "mlp_only_layers": "mlp_only_layers",
     "capacity_factor": "capacity_factor", "moe_expert_capacity_factor": "capacity_factor",
-    "moe_z_loss_coeff": "z_loss", "z_loss_factor": "z_loss",
+    "moe_z_loss_coeff": "z_loss", "z_loss_factor": "z_loss", "routed_scaling_factor": "scaling",
+    "moe_router_topk_scaling_factor": "scaling", "n_group": "n_group", "moe_router_num_groups": "n_group",
+    "topk_group": "topk_group", "moe_router_group_topk": "topk_group", "moe_router_pre_softmax": "pre_softmax",
+    "router_dense_type": "router_dtype", "moe_router_dtype": "router_dtype", "moe_token_drop_policy": "drop_policy",
+}  # fmt: skip
+TYPES: dict[str, str] = {  # canonical name -> the type its value must have (common.typed)
+    "num_experts": "int0", "top_k": "int1", "moe_hidden_size": "int1", "shared_experts": "int0",
+    "shared_hidden": "int0", "route_norm": "bool", "gating_sigmoid": "bool", "expert_bias": "bool",
+    "bias_rate": "num0", "aux_coef": "num0", "first_dense_layers": "int0", "capacity_factor": "num",
+    "z_loss": "num0", "scaling": "num+", "n_group": "int0", "topk_group": "int0", "pre_softmax": "bool",
+    "router_dtype": "str", "balancing": "str", "router_score": "str",
 }  # fmt: skip
 _OFF = "llmtrain's MoE does not implement it"
 _DROPS = "which tokens an expert over capacity drops: llmtrain drops the last routed ones"
 MOE_SPEC: Spec = {  # the MoE keys, valid in a 2.x model_config and in a 1.x moe_config
-    **{k: collect("moe", c) for k, c in MOE.items()},
+    **{k: collect("moe", c, TYPES.get(c)) for k, c in MOE.items()},
     "moe_router_force_expert_balance": Only((False,), "off: routing follows the scores", _OFF),
     "use_shared_expert_gating": Only((False,), "off: shared experts are not gated", _OFF),
     "expert_model_parallel": Only((None, 1), "1: experts are not tensor-parallel", _OFF),
     "enable_cold_hot_expert": Only((False,), "off", _OFF),
-    "moe_router_pre_softmax": Ignore("MindFormers' training router scores all experts before the top-k"),
     "router_aux_loss_coef": Ignore(T.R_AUX_IGNORED),
-    "moe_token_drop_policy": Ignore(_DROPS),
     "enable_sdrop": Ignore(_DROPS),
-    **ignore_all(T.R_ROUTER_FP32, "router_dense_type moe_router_dtype"),
     **ignore_all("used only with enable_cold_hot_expert", "update_step hot_expert_num cold_token_percent"),
     **ignore_all(
         T.R_MOE_KERNEL,
@@ -59,11 +76,11 @@ MOE_SPEC: Spec = {  # the MoE keys, valid in a 2.x model_config and in a 1.x moe
 # MoE keys whose default a model type sets (tables.MODEL_DEFAULTS: Qwen3-MoE's, DeepSeek-V3's)
 _FAMILY_MOE_DEFAULTS = (
     "num_experts", "top_k", "moe_hidden_size", "route_norm", "every", "router_score", "shared_experts",
-    "first_dense_layers",
+    "first_dense_layers", "scaling", "n_group", "topk_group",
 )  # fmt: skip
-MOE_CONFIG_SPEC: Spec = {  # the 1.x top-level moe_config; DeepSeek-only keys wait for their family
+MOE_CONFIG_SPEC: Spec = {  # the 1.x top-level moe_config; DeepSeek's topk_method waits for its family
     **MOE_SPEC,
-    **{k: pending for k in ("routed_scaling_factor", "n_group", "topk_group", "topk_method")},
+    "topk_method": pending,
 }
 
 
@@ -107,19 +124,14 @@ def finish_moe(ctx: Ctx, defaults: dict[str, Any], layout2: bool) -> None:
     out["router_score"] = str(score).lower()
     out["route_norm"] = bool(val("route_norm"))
     out["aux_loss_coef"] = float(_aux(ctx, got, val("aux_coef")) or 0.0)
-    if val("balancing") is not None:
-        if str(val("balancing")) == "none":
-            out["aux_loss_coef"] = 0.0
-        ctx.notes.add(
-            f"{where('balancing')}: {val('balancing')!r} -> model.moe.aux_loss_coef {out['aux_loss_coef']} over each "
-            "micro-batch (llmtrain has no global-batch or per-sequence variant of the balance loss)."
-        )
+    _balancing(ctx, got, val("balancing"), out)
     out["bias_update_rate"] = float(val("bias_rate") or 0.0) if val("expert_bias") else 0.0
     if "bias_rate" in got and not val("expert_bias"):
         ctx.notes.ignore(
             where("bias_rate"), "the expert bias is off (balance_via_topk_bias / enable_expert_bias)"
         )
     out["capacity_factor"] = val("capacity_factor")
+    _routing(ctx, got, val, out)
     first = val("first_dense_layers") or 0
     out["first_dense_layers"] = int(first)
     every = val("every") or 1
@@ -143,6 +155,69 @@ def finish_moe(ctx: Ctx, defaults: dict[str, Any], layout2: bool) -> None:
     ctx.notes.add(
         f"MoE ({written}) -> model.moe: {given} (MindFormers' defaults for the keys the file leaves out)."
     )
+
+
+def _balancing(ctx: Ctx, got: dict[str, tuple[str, Any]], kind: Any, out: dict[str, Any]) -> None:
+    """moe_router_load_balancing_type -> model.moe.aux_loss_scope (tables.BALANCING; none: no aux loss)."""
+    out["aux_loss_scope"] = "micro_batch"
+    if kind is None:
+        return
+    origin = (
+        got["balancing"][0] if "balancing" in got else "moe_router_load_balancing_type (MindFormers' default)"
+    )
+    if str(kind).lower() == "none":
+        out["aux_loss_coef"] = 0.0
+        ctx.notes.add(f"{origin}: 'none' -> model.moe.aux_loss_coef 0.0 (no balance loss).")
+        return
+    out["aux_loss_scope"] = lookup(T.BALANCING, kind, origin, ctx.source)
+    if out["aux_loss_scope"] == "global_batch":
+        ctx.notes.add(
+            f"{origin}: {kind!r} -> model.moe.aux_loss_scope global_batch: the expert fractions count the "
+            "assignments of every data-parallel rank and of the step's micro-batches so far, as MindFormers' "
+            f"router does (coefficient {out['aux_loss_coef']})."
+        )
+    elif str(kind).lower().replace("_", "") == "seqauxloss":
+        ctx.notes.add(
+            f"{origin}: {kind!r} -> model.moe.aux_loss_scope micro_batch: llmtrain has no per-sequence balance "
+            "loss, so the fractions count each micro-batch."
+        )
+    else:
+        ctx.notes.add(
+            f"{origin}: {kind!r} -> model.moe.aux_loss_scope micro_batch (each rank's micro-batch, as MindFormers' "
+            "per data-parallel slice)."
+        )
+
+
+def _routing(ctx: Ctx, got: dict[str, tuple[str, Any]], val: Any, out: dict[str, Any]) -> None:
+    """Routed scaling, groups, pre-softmax, router dtype and drop policy, the same for every family."""
+    out["routed_scaling_factor"] = float(val("scaling"))
+    out["n_group"] = val("n_group") or 1  # null / 0: no groups
+    out["topk_group"] = val("topk_group") or 1
+    out["pre_softmax"] = True
+    if "pre_softmax" in got and got["pre_softmax"][1] is False:
+        ctx.notes.add(
+            f"{got['pre_softmax'][0]}: False -> model.moe.pre_softmax true: MindFormers' training router "
+            "(parallel_core/training_graph/transformer/moe/router.py; 1.x modules/transformer/moe.py) takes the "
+            "softmax over all experts before the top-k whatever this key says, and llmtrain does the same."
+        )
+    dtype = str(val("router_dtype")).lower()
+    if dtype not in T.R_DTYPE_NAMES:
+        raise ctx.error(
+            where_of(got, "router_dtype"),
+            f"{val('router_dtype')!r} is not one of {', '.join(T.R_DTYPE_NAMES)}.",
+        )
+    out["router_fp32"] = dtype == "float32"
+    policy = val("drop_policy")
+    if policy is not None and str(policy).lower() not in ("probs", "position"):
+        raise ctx.error(where_of(got, "drop_policy"), f"{policy!r}: the drop policy is probs or position.")
+    out["drop_policy"] = str(policy).lower() if policy is not None else "position"
+    if out["capacity_factor"] is None and "drop_policy" in got:
+        ctx.notes.ignore(got["drop_policy"][0], T.R_DROP + " (the policy applies only with a capacity)")
+
+
+def where_of(got: dict[str, tuple[str, Any]], canonical: str) -> str:
+    """The key as the file wrote it, or the canonical name when the value is MindFormers' default."""
+    return got[canonical][0] if canonical in got else f"{canonical} (MindFormers' default)"
 
 
 def _aux(ctx: Ctx, got: dict[str, tuple[str, Any]], coef: Any) -> Any:

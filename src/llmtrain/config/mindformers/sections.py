@@ -15,8 +15,8 @@ def _all(reason: str, *keys: str) -> Spec:
 
 PARALLEL_SPEC: Spec = {  # MindSpore's parallel context (`parallel:`), not our parallel section
     "parallel_mode": Fact("parallel_mode"),
-    "enable_parallel_optimizer": Fact("parallel_optimizer"),
-    "enable_alltoall": To("parallel.enable_alltoall"),
+    "enable_parallel_optimizer": Fact("parallel_optimizer", "bool"),
+    "enable_alltoall": To("parallel.enable_alltoall", expect="bool"),
     "gradients_mean": Ignore(
         "the loss is the mean over the global batch's tokens; its gradients need no extra mean"
     ),
@@ -29,7 +29,7 @@ PARALLEL_SPEC: Spec = {  # MindSpore's parallel context (`parallel:`), not our p
         {
             "gradient_accumulation_shard": Ignore("FSDP2 keeps sharded gradients across accumulation"),
             "parallel_optimizer_threshold": Ignore("FSDP2 shards every parameter, however small"),
-            "optimizer_weight_shard_size": Fact("shard_size"),
+            "optimizer_weight_shard_size": Fact("shard_size", "int"),
         },
     ),
     "pipeline_config": lambda ctx, name, value: walk(
@@ -81,12 +81,12 @@ CONTEXT_SPEC: Spec = {  # mode and device_target have handlers in structured.py
 OPTIMIZER_SPEC: Spec = {
     "type": Fact("opt_type"),
     "betas": Fact("betas"),
-    "beta1": Fact("beta1"),
-    "beta2": Fact("beta2"),
-    "eps": Fact("eps"),
-    "epsilon": Fact("eps"),
-    "weight_decay": Fact("weight_decay"),
-    "learning_rate": Fact("opt_lr"),
+    "beta1": Fact("beta1", "num0"),
+    "beta2": Fact("beta2", "num0"),
+    "eps": Fact("eps", "num+"),
+    "epsilon": Fact("eps", "num+"),
+    "weight_decay": Fact("weight_decay", "num0"),
+    "learning_rate": Fact("opt_lr", "num0"),
     "use_fused": Ignore(T.R_LAYOUT),
     "amsgrad": Only((False,), "off: plain AdamW", "AMSGrad is not implemented"),
     "maximize": Only((False,), "off: the loss is minimised", "llmtrain minimises the loss"),
@@ -99,18 +99,18 @@ OPTIMIZER_SPEC: Spec = {
 _WARMUP_INIT = Only((0, 0.0), "warmup starts at 0", "llmtrain's warmup rises linearly from 0")
 LR_SPEC: Spec = {
     "type": Fact("lr_type"),
-    "learning_rate": Fact("lr"),
-    "base_lr": Fact("lr"),
-    "lr_end": Fact("lr_end"),
-    "eta_min": Fact("lr_end"),
-    "warmup_steps": Fact("warmup_steps"),
-    "warmup_ratio": Fact("warmup_ratio"),
-    "total_steps": Fact("total_steps"),
-    "t_max": Fact("t_max"),
-    "decay_steps": Fact("decay_steps"),
-    "decay_ratio": Fact("decay_ratio"),
-    "decay_start_steps": Fact("decay_start_steps"),
-    "decay_start_ratio": Fact("decay_start_ratio"),
+    "learning_rate": Fact("lr", "num0"),
+    "base_lr": Fact("lr", "num0"),
+    "lr_end": Fact("lr_end", "num0"),
+    "eta_min": Fact("lr_end", "num0"),
+    "warmup_steps": Fact("warmup_steps", "int0"),
+    "warmup_ratio": Fact("warmup_ratio", "num0"),
+    "total_steps": Fact("total_steps", "int"),
+    "t_max": Fact("t_max", "int"),
+    "decay_steps": Fact("decay_steps", "int"),
+    "decay_ratio": Fact("decay_ratio", "num0"),
+    "decay_start_steps": Fact("decay_start_steps", "int"),
+    "decay_start_ratio": Fact("decay_start_ratio", "num0"),
     "warmup_lr_init": _WARMUP_INIT,
     "num_cycles": Only(
         (0.5,),
@@ -131,13 +131,13 @@ RUNNER_WRAPPER_SPEC: Spec = {  # scale_sense has a handler in structured.py
         "a plain training step: one optimizer update per global batch",
         "only plain training steps",
     ),  # fmt: skip
-    "use_clip_grad": Fact("use_clip_grad"),
-    "max_grad_norm": Fact("max_grad_norm"),
+    "use_clip_grad": Fact("use_clip_grad", "bool"),
+    "max_grad_norm": Fact("max_grad_norm", "num+"),
     "enable_check_overflow": Ignore("fp16 steps with non-finite gradients are always skipped"),
 }
 _MASK = "the causal (and document) mask is built inside attention"
 MEGATRON_SPEC: Spec = {
-    "seq_length": Fact("data_seq"),
+    "seq_length": Fact("data_seq", "int1"),
     "eod_mask_loss": To("data.eod_mask_loss"),
     "reset_position_ids": Fact("reset_pos"),
     "reset_attention_mask": Fact("reset_mask"),
@@ -179,7 +179,7 @@ DATASET_SPEC: Spec = {
 }
 EVAL_SPEC: Spec = {
     "do_eval": Fact("do_eval"),
-    "eval_step_interval": Fact("eval_steps"),
+    "eval_step_interval": Fact("eval_steps", "int"),
     **_all(T.R_EVAL, "eval_epoch_interval", "eval_dataset", "eval_dataset_task", "eval_callbacks", "metric"),
 }
 TOP_IGNORED: Spec = {
@@ -237,11 +237,11 @@ TOP_IGNORED: Spec = {
     ),
 }
 _CKPT_MONITOR: Spec = {
-    "save_checkpoint_steps": To("checkpoint.save_steps"),
-    "keep_checkpoint_max": To("checkpoint.keep_checkpoint_max"),
+    "save_checkpoint_steps": To("checkpoint.save_steps", expect="int"),
+    "keep_checkpoint_max": To("checkpoint.keep_checkpoint_max", expect="int"),
     "async_save": To("checkpoint.async_save"),
     "directory": To("checkpoint.save_dir"),
-    "save_checkpoint_seconds": To("checkpoint.save_minutes", lambda s: float(s) / 60),
+    "save_checkpoint_seconds": To("checkpoint.save_minutes", lambda s: float(s) / 60, "num+"),
     **_all(
         T.R_CKPT,
         "prefix",
@@ -255,7 +255,7 @@ _CKPT_MONITOR: Spec = {
     ),
 }
 _LOSS_MONITOR: Spec = {
-    "per_print_times": To("train.log_steps"),
+    "per_print_times": To("train.log_steps", expect="int1"),
     "check_for_nan_in_loss_and_grad": Ignore(
         "non-finite steps are handled by the stability guard (stability.*)"
     ),

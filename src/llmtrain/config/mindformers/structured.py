@@ -188,8 +188,8 @@ def _scale_sense(ctx: Ctx, name: str, value: Any) -> None:
         value,
         {
             "type": Fact("scale_type"),
-            "loss_scale_value": Fact("scale_value"),
-            "scale_window": Fact("scale_window"),
+            "loss_scale_value": Fact("scale_value", "num+"),
+            "scale_window": Fact("scale_window", "int1"),
             "scale_factor": Only(
                 (2, 2.0),
                 "2: llmtrain's dynamic loss scale also halves on overflow and doubles",
@@ -232,9 +232,9 @@ def _dataset_config(ctx: Ctx, name: str, value: Any) -> None:
 
 
 _RUNNER_SPEC: Spec = {
-    "epochs": Fact("epochs"),
-    "batch_size": Fact("batch_size"),
-    "gradient_accumulation_steps": Fact("gas"),
+    "epochs": Fact("epochs", "int1"),
+    "batch_size": Fact("batch_size", "int1"),
+    "gradient_accumulation_steps": Fact("gas", "int1"),
     "sink_mode": Ignore(T.R_SINK),
     "sink_size": Ignore(T.R_SINK),
     "initial_epoch": Only(
@@ -245,12 +245,12 @@ _RUNNER_SPEC: Spec = {
     ),
 }
 _PARALLEL_CONFIG_SPEC: Spec = {
-    "data_parallel": Fact("dp"),
-    "model_parallel": Fact("mp"),
-    "pipeline_stage": Fact("pp"),
-    "micro_batch_num": Fact("mbn"),
-    "expert_parallel": Fact("ep"),
-    "context_parallel": Fact("cp"),
+    "data_parallel": Fact("dp", "int1"),
+    "model_parallel": Fact("mp", "int1"),
+    "pipeline_stage": Fact("pp", "int1"),
+    "micro_batch_num": Fact("mbn", "int1"),
+    "expert_parallel": Fact("ep", "int1"),
+    "context_parallel": Fact("cp", "int1"),
     "use_seq_parallel": Ignore(T.R_SEQPAR),
     "vocab_emb_dp": Ignore(T.R_EMBED),
     "gradient_aggregation_group": Ignore(T.R_COMM),
@@ -264,12 +264,12 @@ _PARALLEL_CONFIG_SPEC: Spec = {
     ),
 }
 _TOP_SPEC: Spec = {
-    "seed": To("train.seed"),
+    "seed": To("train.seed", expect="int0"),
     "output_dir": To("run.output_dir"),
     "run_mode": _run_mode,
-    "use_parallel": Fact("use_parallel"),
+    "use_parallel": Fact("use_parallel", "bool"),
     "resume_training": _resume,
-    "micro_batch_interleave_num": Fact("interleave"),
+    "micro_batch_interleave_num": Fact("interleave", "int1"),
     "trainer": _walker(
         {
             "type": Only(

@@ -120,7 +120,7 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v3": {  # DeepseekV3Config (Hugging Face): the 671B routing
         **_MF2, "rms_norm_eps": 1e-6, "theta": 10000.0, "tie_word_embeddings": False, "num_experts": 256,
         "top_k": 8, "moe_hidden_size": 2048, "shared_experts": 1, "router_score": "sigmoid", "route_norm": True,
-        "first_dense_layers": 3, "every": 1,
+        "first_dense_layers": 3, "every": 1, "scaling": 2.5, "n_group": 8, "topk_group": 4,
     },
 }  # fmt: skip
 # What a model type's MindFormers code hard-wires whatever the file says (models/qwen3*/modeling_*_train.py
@@ -133,19 +133,32 @@ MODEL_FIXED: dict[str, dict[str, Any]] = {
 REQUIRED_2X = ("hidden_size", "num_layers", "num_heads", "vocab_size")
 # 1.x moe_config defaults (modules/transformer/moe.py MoEConfig); 2.x MoE defaults are mcore's (no aux loss,
 # no capacity, softmax router) plus the model type's MODEL_DEFAULTS.
+# Both routers (1.x moe.py, 2.x parallel_core/training_graph/transformer/moe/router.py) take the softmax over all
+# experts before the top-k, multiply the chosen weights by routed_scaling_factor (1.x MoEConfig 1.0; mcore
+# moe_router_topk_scaling_factor) and compute the router in router_dense_type / moe_router_dtype (float32).
 MOE_DEFAULTS_1X: dict[str, Any] = {
     "top_k": 1, "capacity_factor": 1.1, "aux_loss_coef": 0.05, "route_norm": True, "shared_experts": 0,
-    "router_score": "softmax", "bias_update_rate": 0.0,
+    "router_score": "softmax", "bias_update_rate": 0.0, "scaling": 1.0, "n_group": None, "topk_group": None,
+    "router_dtype": "float32", "balancing": None, "drop_policy": None,
 }  # fmt: skip
 MOE_DEFAULTS_2X: dict[str, Any] = {
     "capacity_factor": None, "aux_loss_coef": 0.0, "shared_experts": 0, "router_score": "softmax",
-    "bias_update_rate": 0.0,
+    "bias_update_rate": 0.0, "scaling": 1.0, "n_group": None, "topk_group": None, "router_dtype": "float32",
+    "balancing": "sub_seq_aux_loss", "drop_policy": "probs",
 }  # fmt: skip
-# Keys only a family with Multi-head Latent Attention, routed-expert scaling or multi-token prediction reads
-# (DeepSeek-V3): collected, mapped for deepseek_v3 (config/mindformers/deepseek.py), required off for others.
+# moe_router_load_balancing_type -> model.moe.aux_loss_scope (router.py: sub_seq_aux_loss counts each data-parallel
+# slice of the micro-batch, seq_aux_loss each sequence, gbs_aux_loss the data-parallel ranks and the step's
+# micro-batches so far)
+BALANCING: dict[str, str] = {
+    "subseqauxloss": "micro_batch", "auxloss": "micro_batch", "gbsauxloss": "global_batch",
+    "seqauxloss": "micro_batch",
+}  # fmt: skip
+# Keys only a family with Multi-head Latent Attention or multi-token prediction reads (DeepSeek-V3): collected,
+# mapped for deepseek_v3 (config/mindformers/deepseek.py), required off for others. Routed scaling and group-limited
+# routing are options of every MoE router (config/mindformers/moe.py).
 MLA_KEYS = (
     "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "qk_pos_emb_head_dim",
     "v_head_dim", "multi_latent_attention", "mla_qkv_concat", "mscale", "mscale_all_dim", "beta_fast",
     "beta_slow", "mtp_depth", "num_nextn_predict_layers", "mtp_num_layers", "mtp_loss_factor",
-    "mtp_loss_scaling_factor", "routed_scaling_factor", "n_group", "topk_group", "topk_method",
+    "mtp_loss_scaling_factor", "topk_method",
 )  # fmt: skip

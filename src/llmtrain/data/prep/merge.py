@@ -7,14 +7,25 @@ Two-phase deduplication across partitions:
 1. each ``prepare --partition I/N`` run (one node of a Slurm array, say) cleans, filters, deduplicates *within*
    its partition and records, for every kept document, its exact digest, LSH band keys and MinHash signature
    (``part-*.dedup.npz`` in ``PREFIX.partitions/I-of-N/``);
-2. ``merge`` replays those signatures through one :class:`~llmtrain.data.prep.dedup.DedupIndex`, partition 0
-   first, and drops every document that duplicates (exactly, or near: a shared band and estimated Jaccard >= the
-   threshold) a document kept earlier in the order. Only signatures are compared; no text is re-read.
+2. ``merge`` puts the partitions' documents back into input order and replays their signatures, in that
+   order, through one :class:`~llmtrain.data.prep.dedup.DedupIndex`, dropping every document that duplicates
+   (exactly, or near: a shared band and estimated Jaccard >= the threshold) a document kept earlier. Only
+   signatures are compared; no text is re-read.
 
-The result satisfies the same guarantee as a single-process run (no two kept documents are duplicates by the
-index's rule); which copy of a duplicate pair survives follows the partition order instead of the input order.
-Packing and sharding happen here, once, over the merged stream. All partitions must be finished (``done.json``)
-and share one tokenizer and one prepare configuration.
+Input order. A partition keeps every N-th non-blank record, and every kept document's part records its global
+id ``file << 40 | line`` (``part-*.ids.npy``, the staged dedup's ids). The merge takes the input files one at a
+time and interleaves the N partitions' parts of that file by id (:func:`~llmtrain.data.prep.shards.iter_merged`),
+so the merged stream is the one-process stream: without dedup, and with ``--dedup exact`` (equal digests are an
+equivalence: the first copy in input order survives, here as in the one-process staged rule), N partitions
+plus ``merge`` write the same shard bytes as one ``prepare`` of the same inputs and options. With ``--dedup
+near`` the guarantee is the index's (no kept pair is a near duplicate), but the kept set can differ from one
+process on chains ``a ~ b ~ c`` (``a``, ``c`` not similar, in that input order): with ``b`` in one partition and
+``a``, ``c`` in another, that partition keeps ``a`` and ``c``, the merge drops ``b`` for ``a`` and keeps both,
+while the one-process staged rule keeps only the lowest id of each connected component, ``a``. Partitions written before the ids existed (no ``part-*.ids.npy``) are joined in
+partition order, as before.
+
+Packing and sharding happen here, once, over the merged stream. All partitions must be finished
+(``done.json``) and share one tokenizer, one prepare configuration and one input list.
 
 This module is the merge (:func:`merge`); the command's flags are in :mod:`llmtrain.commands.merge`.
 """
@@ -25,11 +36,19 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+
 from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.prep.dedup import DedupIndex
 from llmtrain.data.prep.outputs import check_outputs
 from llmtrain.data.prep.pipeline import options_from
-from llmtrain.data.prep.shards import iter_part_batches, write_dataset
+from llmtrain.data.prep.shards import (
+    cross_part_keep,
+    iter_merged,
+    iter_part_batches,
+    part_prefix,
+    write_dataset,
+)
 from llmtrain.data.prep.workdir import remove
 from llmtrain.errors import DataError
 
@@ -97,15 +116,40 @@ def merge(
             )
         if summary["prepare"]["options"] != first["prepare"]["options"]:
             raise DataError(f"Partition '{d}' was prepared with other options than '{dirs[0]}'; rerun it.")
-    opts = options_from(_options(first["prepare"]["options"]))
+        if summary["inputs"] != first["inputs"]:
+            raise DataError(
+                f"Partition '{d}' was prepared from other inputs than '{dirs[0]}' ({len(summary['inputs'])} vs "
+                f"{len(first['inputs'])} files, first difference: "
+                f"{next((a, b) for a, b in zip([*summary['inputs'], None], [*first['inputs'], None]) if a != b)}); "
+                f"every partition must read the same --input list. Rerun it."
+            )
+    opts = options_from(first["prepare"]["options"])
+    # the dataset written: the partitions' options with the merge's own packing and shard count
+    opts = dataclasses.replace(
+        opts,
+        pack=pack or opts.pack,
+        seq_length=seq_length or opts.seq_length,
+        num_shards=num_shards or opts.num_shards,
+    )
     index = None
     if opts.dedup != "none":
         index = DedupIndex(dataclasses.replace(opts.minhash, near=opts.dedup == "near"))
     counters: dict = {}
 
+    parts = first["parts"]
+    ordered = all(
+        Path(f"{part_prefix(d, k)}.ids.npy").is_file() or not Path(f"{part_prefix(d, k)}.bin").is_file()
+        for d in dirs
+        for k in range(parts)
+    )
+
     def documents():
-        for d, summary in zip(dirs, done):
-            yield from iter_part_batches(d, summary["parts"], index, counters)
+        if not ordered:  # partitions of an older llmtrain: no ids, partition order
+            for d, summary in zip(dirs, done):
+                yield from iter_part_batches(d, summary["parts"], index, counters)
+            return
+        for k in range(parts):  # input file k: its N parts interleaved by id
+            yield from _file_batches([part_prefix(d, k) for d in dirs], index, counters)
 
     report = _merged_report([s["report"] for s in done], counters)
     tok = first["tokenizer"]
@@ -113,14 +157,14 @@ def merge(
         output,
         documents(),
         optimal_dtype(tok["vocab_size"]),
-        pack or opts.pack,
-        seq_length or opts.seq_length,
-        num_shards or opts.num_shards,
+        opts.pack,
+        opts.seq_length,
+        opts.num_shards,
         tok,
         dirs[0] / first["tokenizer_copy"],
         {
-            "inputs": sorted({i for s in done for i in s["inputs"]}),
-            "prepare": first["prepare"],
+            "inputs": first["inputs"],
+            "prepare": {**first["prepare"], "options": opts.identity()},
             "report": report,
         },
     )
@@ -140,8 +184,25 @@ def merge(
     return manifest
 
 
-def _options(identity: dict) -> dict:
-    return {k: v for k, v in identity.items()}
+def _file_batches(prefixes: list[Path], index: DedupIndex | None, counters: dict):
+    """The documents of one input file's parts ``prefixes`` (one per partition) in input order, dropping those
+    that repeat a document kept before them (``index``: the merge's, fed in input order)."""
+    prefixes = [p for p in prefixes if Path(f"{p}.bin").is_file()]  # a part may be empty (--max-documents)
+    if not prefixes:
+        return
+    ids = [np.load(f"{p}.ids.npy") for p in prefixes]
+    keep = None
+    if index is not None:
+        order = np.argsort(np.concatenate(ids), kind="stable")  # [D] merged position -> concatenated row
+        rows: dict[str, list[np.ndarray]] = {"digests": [], "bands": [], "sigs": []}
+        for p in prefixes:
+            with np.load(f"{p}.dedup.npz") as z:
+                for key in rows:
+                    if key in z:
+                        rows[key].append(z[key])
+        digests, bands, sigs = (np.concatenate(rows[key])[order] if rows[key] else None for key in rows)
+        keep = cross_part_keep(index, counters, digests, bands, sigs)
+    yield from iter_merged(prefixes, ids, keep)
 
 
 def _merged_report(reports: list[dict], cross: dict) -> dict:

@@ -8,7 +8,9 @@ submission order. The stateful steps run here, in input order, so the output is 
 count: the dedup decisions (:class:`~llmtrain.data.prep.dedup.DedupIndex`), the partition filter (every N-th
 non-blank record over all files) and the ``--max-documents`` limit. Kept documents and their dedup rows go to
 the part's :class:`~llmtrain.data.prep.shards.PartWriter`, rejected ones (with their reason) to its rejects
-file; the part's :class:`~llmtrain.data.prep.job.PartCounters` are committed with it, last.
+file; a partition's part also gets the kept documents' ids (``part-NNNNN.ids.npy``: ``file << 40 | line``, by
+which ``merge`` restores input order); the part's :class:`~llmtrain.data.prep.job.PartCounters` are
+committed with it, last.
 
 A part already finished by an earlier run with the same job is not redone: its counters are read back and
 its dedup rows are replayed into the index, so the parts after it decide exactly as in one uninterrupted run.
@@ -37,6 +39,7 @@ from llmtrain.data.prep.job import PartCounters, PrepareJob
 from llmtrain.data.prep.pipeline import KEPT, ChunkResult, PrepareOptions, cached_tokenizer, process_chunk
 from llmtrain.data.prep.readers import READERS, file_kind
 from llmtrain.data.prep.shards import PartWriter, load_part_index, part_done, part_prefix
+from llmtrain.data.prep.stages.layout import SHIFT, save_npy
 from llmtrain.data.tokenizer import Tokenizer
 from llmtrain.errors import DataError
 
@@ -183,6 +186,7 @@ def _run_part(k: int, path: Path, job: PrepareJob, run: PartsRun) -> tuple[PartC
     if job.max_documents is not None:
         records = itertools.islice(records, job.max_documents - run.read)
     writer = PartWriter(run.workdir, k, optimal_dtype(run.tok.vocab_size), opts.rejects is not None)
+    ids: list[np.ndarray] | None = [] if job.partition is not None else None  # blocks of [K] int64
     try:
         for chunk, res in _results(chunk_records(records), job, run):
             kept = np.asarray([r == KEPT for r in res.status], dtype=bool)  # [N] passed clean + filters
@@ -192,6 +196,9 @@ def _run_part(k: int, path: Path, job: PrepareJob, run: PartsRun) -> tuple[PartC
                     if reason:
                         res.status[j] = reason
                         kept[j] = False
+            if ids is not None:  # each kept document's global id: file << SHIFT | line, for merge's order
+                lines = np.fromiter((r[2] for r in chunk), dtype=np.int64, count=len(chunk))
+                ids.append((k << SHIFT) | lines[kept])
             tokens = res.tokens
             if not kept.all():  # drop the tokens of documents tokenized but then found duplicates
                 tokens = tokens[np.repeat(kept, res.lengths)]
@@ -209,6 +216,9 @@ def _run_part(k: int, path: Path, job: PrepareJob, run: PartsRun) -> tuple[PartC
                 c.reject(reason)
                 text, fpath, line = chunk[j]
                 writer.reject(text, reason, fpath, line)
+        if ids is not None:  # written before the part's counters, which mark it finished
+            all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+            save_npy(Path(f"{part_prefix(run.workdir, k)}.ids.npy"), all_ids)
     except BaseException:
         writer.abort()
         raise

@@ -125,6 +125,7 @@ def options_from(section: Any) -> PrepareOptions:
 
 
 def _sub(cls: type, raw: dict, name: str) -> Any:
+    raw = dict(raw)  # the caller's dict (a manifest's, a config's) stays as it was: int keys only here
     known = {f.name for f in dataclasses.fields(cls)}
     if set(raw) - known:
         raise ConfigError(

@@ -26,8 +26,9 @@ for the rerun. The work folder is one ``prepare`` created (``workdir``: a marker
 without the marker is refused and never reused or removed, and a damaged ``state.json`` restarts the work.
 
 ``--partition I/N`` processes every N-th document (by position among all non-blank input records) into
-``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions in
-order, removing duplicates across partitions (phase 2 of the two-phase dedup), and packs and shards them.
+``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions back
+into input order (by each document's id), removing duplicates across partitions (phase 2 of the two-phase
+dedup), and packs and shards them: without near dedup, the shards of one process, byte for byte.
 
 With ``--dedup`` (and no ``--partition``) the run takes the staged path (``stages/``): per-partition screening,
 per-bucket candidate pairs, connected components, per-partition tokenizing, each a resumable task with bounded

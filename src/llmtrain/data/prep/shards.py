@@ -5,6 +5,7 @@ Parts. ``prepare`` works through its input files one at a time; each file become
 
     part-00003.bin / .idx     the kept documents of input file 3, tokenized, one sequence each, EOS appended
     part-00003.dedup.npz      their exact digests, LSH band keys and 16-bit MinHash signatures
+    part-00003.ids.npy        their global ids, file << 40 | line (partitions: merge's input order)
     part-00003.rejects.jsonl  rejected documents and reasons (when rejects are requested)
     part-00003.json           counters of the part; written last, its presence marks the part finished
 
@@ -144,7 +145,7 @@ def iter_part_batches(
                 f"the same command again redoes the work."
             ) from None
         sizes = ds.sizes.astype(np.int64)  # [D] one sequence per document in a part
-        keep = None if index is None else _cross_part_keep(prefix, index, counters)
+        keep = None if index is None else _part_keep(prefix, index, counters)
         ends = np.cumsum(sizes)  # [D]
         with open(bin_path(prefix), "rb") as f:
             i = 0
@@ -160,17 +161,69 @@ def iter_part_batches(
                 i = j
 
 
-def _cross_part_keep(prefix: Path, index: DedupIndex, counters: dict | None) -> np.ndarray:
-    """[D] bool: the documents of a part that repeat no document of the parts before (recording the kept)."""
-    with np.load(f"{prefix}.dedup.npz") as z:
-        digests = z["digests"]
-        bands, sigs = (z["bands"], z["sigs"]) if "bands" in z else (None, None)
-    reasons = index.check_many(digests if len(digests) else None, bands, sigs)
+MERGE_DOCUMENTS = 4096  # documents per batch of a merged stream (:func:`iter_merged`)
+
+
+def iter_merged(
+    prefixes: list[Path], ids: list[np.ndarray], keep: np.ndarray | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The documents of the parts ``prefixes`` (part ``j`` holding one document per id of ``ids[j]``, in id
+    order) merged into one id order, in batches ``(tokens, lengths)``; ``keep`` ([D] bool in that merged order)
+    drops documents. Memory: the ids and sizes of these parts plus one batch. The staged dedup merges the
+    slices of one file with it, ``merge`` the partitions of one input file."""
+    source = np.concatenate([np.full(len(x), j, dtype=np.int64) for j, x in enumerate(ids)])
+    source = source[np.argsort(np.concatenate(ids), kind="stable")]  # [D] the part of each document in order
+    sizes = [IndexedDataset(str(p)).sizes.astype(np.int64) for p in prefixes]
+    dtype = IndexedDataset(str(prefixes[0])).dtype
+    files = [open(bin_path(p), "rb") for p in prefixes]
+    taken = [0] * len(prefixes)
+    try:
+        for i in range(0, len(source), MERGE_DOCUMENTS):
+            block = source[i : i + MERGE_DOCUMENTS]
+            pieces: list[list[np.ndarray]] = []
+            for j in range(len(prefixes)):  # each part's next documents, read in one go
+                n = int((block == j).sum())
+                lens = sizes[j][taken[j] : taken[j] + n]
+                taken[j] += n
+                tokens = np.fromfile(files[j], dtype=dtype, count=int(lens.sum()))
+                pieces.append(np.split(tokens, np.cumsum(lens)[:-1]) if n else [])
+            cursor = [0] * len(prefixes)
+            docs = []
+            kept = np.ones(len(block), dtype=bool) if keep is None else keep[i : i + MERGE_DOCUMENTS]
+            for j, k in zip(block.tolist(), kept.tolist()):
+                if k:
+                    docs.append(pieces[j][cursor[j]])
+                cursor[j] += 1
+            if docs:
+                yield np.concatenate(docs), np.asarray([len(d) for d in docs], dtype=np.int64)
+    finally:
+        for f in files:
+            f.close()
+
+
+def cross_part_keep(
+    index: DedupIndex,
+    counters: dict | None,
+    digests: np.ndarray | None,
+    bands: np.ndarray | None = None,
+    sigs: np.ndarray | None = None,
+) -> np.ndarray:
+    """[D] bool: which of these documents (dedup rows in order) repeat no document kept before them in
+    ``index`` (recording the kept ones), counting the others in ``counters`` as ``cross_partition_*``."""
+    reasons = index.check_many(digests if digests is not None and len(digests) else None, bands, sigs)
     keep = np.asarray([r is None for r in reasons], dtype=bool)
     if counters is not None:
         for reason in filter(None, reasons):
             counters[f"cross_partition_{reason}"] = counters.get(f"cross_partition_{reason}", 0) + 1
     return keep
+
+
+def _part_keep(prefix: Path, index: DedupIndex, counters: dict | None) -> np.ndarray:
+    """[D] bool: the documents of a part that repeat no document of the parts before (recording the kept)."""
+    with np.load(f"{prefix}.dedup.npz") as z:
+        digests = z["digests"]
+        bands, sigs = (z["bands"], z["sigs"]) if "bands" in z else (None, None)
+    return cross_part_keep(index, counters, digests, bands, sigs)
 
 
 def shard_prefixes(output: str, num_shards: int) -> list[str]:

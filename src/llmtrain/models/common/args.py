@@ -92,7 +92,15 @@ class TransformerArgs:
     ``topk_group`` groups whose two best scores sum highest; 1 = no groups."""
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    """Multiplies the routed experts' weights (after route_norm); DeepSeek-V3: 2.5."""
+    """Multiplies the routed experts' weights (after route_norm), any family; DeepSeek-V3: 2.5."""
+    pre_softmax: bool = True
+    """Softmax router: softmax over all experts then top-k (True), or top-k of the logits then softmax over them."""
+    router_fp32: bool = False
+    """Router logits from fp32 input and weight, outside autocast (MindFormers' router_dense_type float32)."""
+    aux_loss_scope: str = "micro_batch"
+    """micro_batch or global_batch: the tokens the aux loss's expert fractions count (models/common/moe.py)."""
+    drop_policy: str = "position"
+    """position or probs: which assignments past an expert's capacity are dropped."""
     # Multi-head latent attention (models/common/mla.py); kv_lora_rank 0 = the GQA attention.
     q_lora_rank: int = 0
     """Rank of the query compression (wq_a -> q_norm -> wq_b); 0: one projection wq."""
@@ -249,6 +257,7 @@ def check_moe_args(values: dict[str, Any]) -> None:
     score = values.get("router_score", "softmax")
     if score not in ("softmax", "sigmoid"):
         raise ConfigError(f"model.moe.router_score must be softmax or sigmoid, got {score!r}.")
+    _check_router_options(values, score)
     for key in ("aux_loss_coef", "bias_update_rate"):
         v = values.get(key, 0.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -259,6 +268,28 @@ def check_moe_args(values: dict[str, Any]) -> None:
             f"model.moe.capacity_factor must be a positive number or null (no drop), got {cap!r}."
         )
     _check_group_routing(values, n, k)
+
+
+def _check_router_options(values: dict[str, Any], score: str) -> None:
+    """pre_softmax / router_fp32 (booleans), aux_loss_scope and drop_policy (their named values)."""
+    from llmtrain.errors import ConfigError
+
+    for key in ("pre_softmax", "router_fp32"):
+        v = values.get(key, key == "pre_softmax")
+        if not isinstance(v, bool):
+            raise ConfigError(f"model.moe.{key} must be true or false, got {v!r}.")
+    if score == "sigmoid" and values.get("pre_softmax", True) is False:
+        raise ConfigError(
+            "model.moe.pre_softmax false (top-k of the logits, then a softmax over the chosen) needs "
+            "model.moe.router_score softmax; a sigmoid router scores each expert on its own."
+        )
+    for key, allowed in (
+        ("aux_loss_scope", ("micro_batch", "global_batch")),
+        ("drop_policy", ("position", "probs")),
+    ):
+        v = values.get(key, allowed[0])
+        if v not in allowed:
+            raise ConfigError(f"model.moe.{key} must be {' or '.join(allowed)}, got {v!r}.")
 
 
 def _check_group_routing(values: dict[str, Any], n: int, k: int) -> None:

@@ -70,6 +70,36 @@ def _refuse(args: TransformerArgs, names: MoENames, what: str, fix: str) -> Conf
     )
 
 
+def check_routing(args: TransformerArgs, architecture: str, scaled_groups: bool = False) -> None:
+    """ConfigError naming every ``model.moe`` routing key whose value ``architecture``'s config cannot express.
+
+    transformers' MoE classes route without capacity (no token is dropped); only DeepSeek-V3's
+    (``scaled_groups``) scales the routed weights and limits routing to groups. ``pre_softmax: false`` needs no
+    key: the softmax over the chosen logits equals the renormalised top-k of the full softmax (the top-k of the
+    logits and of the softmax are the same experts), which the adapters write as renormalisation."""
+    wrong = []
+    if args.capacity_factor is not None:
+        wrong.append(
+            f"model.moe.capacity_factor {args.capacity_factor} (tokens over an expert's capacity are dropped; "
+            "transformers drops none): set it to null"
+        )
+    if not scaled_groups and args.routed_scaling_factor != 1.0:
+        wrong.append(
+            f"model.moe.routed_scaling_factor {args.routed_scaling_factor} ({architecture} has no scaling of "
+            "the routed weights): set it to 1"
+        )
+    if not scaled_groups and (args.n_group != 1 or args.topk_group != 1):
+        wrong.append(
+            f"model.moe.n_group {args.n_group} / topk_group {args.topk_group} ({architecture} has no "
+            "group-limited routing): set both to 1"
+        )
+    if wrong:
+        raise ConfigError(
+            f"Hugging Face export as {architecture} cannot express {'; '.join(wrong)}. transformers would route "
+            "tokens differently from the trained model, so the export is refused."
+        )
+
+
 def moe_to_hf(sd: StateDict, args: TransformerArgs, names: MoENames) -> tuple[StateDict, StateDict]:
     """``(HF tensors of every MoE block, the rest of sd)``; ConfigError for a part HF cannot hold."""
     hf: StateDict = {}

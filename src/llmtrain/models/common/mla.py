@@ -22,6 +22,12 @@ the softmax scale is ``(nope + rope) ** -0.5`` times ``mscale ** 2`` with ``msca
 ln(factor) + 1`` for yarn RoPE scaling that sets ``mscale_all_dim`` (DeepSeek-V3: factor 40, so 1.87x); the
 yarn cos/sin factor (``mscale / mscale_all_dim``, 1 for DeepSeek-V3) is the rotary embedding's own.
 
+Under context parallel (distributed/context_parallel.py) each rank projects its own chunks, rotates the
+queries and the rotary key at their global positions, and all-gathers the compressed KV (the latent and the
+rotary key: ``kv_lora_rank + rope`` numbers per position, one all-gather) rather than the expanded keys and
+values (``H x (nope + rope + v)``); every rank then expands all positions with ``wkv_b`` for its local queries,
+and the gather's backward reduce-scatters the latent's gradient.
+
 The local number of heads is read from the projected shapes, so a column-wise shard of ``wq``/``wq_b`` and
 ``wkv_b`` (and a row-wise ``wo``) works unchanged. :func:`check_mla_args` validates the fields at resolution.
 """
@@ -84,6 +90,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.wkv_b = nn.Linear(args.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(h * self.v_dim, d, bias=False)
         self.softmax_scale = mla_softmax_scale(args)
+        self.context_parallel: Any = None  # distributed/context_parallel.py sets it: the gathered latent
 
     def reset_buffers(self, device: torch.device | None = None) -> None:
         """No buffers (the rotary tables are the model's); kept for ``Transformer.init_weights``."""
@@ -112,6 +119,8 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:  # the cache holds the latent and the rotary key: [B, 1, past + T, r | rope]
             latent_all, k_rope_all = cache.update(layer_key, latent[:, None], k_rope.transpose(1, 2))
             latent, k_rope = latent_all[:, 0], k_rope_all.transpose(1, 2)  # [B, S, r], [B, S, 1, rope]
+        if self.context_parallel is not None:  # every CP rank's latent and rotary key (mask: the model's)
+            latent, k_rope = self.context_parallel.gather_latent(latent, k_rope)  # [B, T, r], [B, T, 1, rope]
         kv = self.wkv_b(latent)  # [B, S, H_local * (nope + v)]
         kv = kv.view(bsz, kv.shape[1], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, S, H_local, nope], [B, S, H_local, v]

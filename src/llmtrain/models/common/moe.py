@@ -3,21 +3,32 @@
 Single-device code, exact and simple; expert parallelism is applied from outside
 (``distributed/expert_parallel.py`` hooks the ``experts`` module). One forward over ``N = B * T`` tokens::
 
-    scores  = softmax | sigmoid(router.gate(x))                        [N, E] fp32
+    logits  = router.gate(x)        (router_fp32: fp32 input and weight, outside autocast)  [N, E] fp32
+    scores  = softmax | sigmoid(logits)                                 [N, E] fp32
     chosen  = top_k(scores + expert_bias)                              [N, k]  (bias: selection only)
               with n_group > 1 among the experts of each token's topk_group best groups (DeepSeek-V3)
     weights = scores[chosen] (/ their sum when route_norm) x routed_scaling_factor      [N, k]
+              pre_softmax false (softmax only): chosen = top_k(logits + bias), weights = softmax(logits[chosen])
+              x routed_scaling_factor (Megatron's post-softmax top-k; they sum to 1 before the scaling)
     sort the N*k (token, expert) assignments by expert (stable: token order within an expert), drop those
-    past the expert's capacity, run each expert on its contiguous slice (GroupedExperts), scale by the
-    weights and index_add back into [N, D]; add the shared experts' SwiGLU of every token (scaled per token by
-    sigmoid(shared_gate(x)) with ``shared_expert_gate``, Qwen2-MoE's gated shared expert).
+    past the expert's capacity (drop_policy position: the last tokens; probs: the lowest weights), run each
+    expert on its contiguous slice (GroupedExperts), scale by the weights and index_add back into [N, D]; add
+    the shared experts' SwiGLU of every token (scaled per token by sigmoid(shared_gate(x)) with
+    ``shared_expert_gate``, Qwen2-MoE's gated shared expert).
 
 Load balancing, both optional:
 
 * Auxiliary loss (Switch / GShard): ``aux = E * sum_i f_i * P_i`` with ``f_i`` the fraction of the N*k
   assignments that chose expert i (before capacity drops) and ``P_i`` the mean normalised score of expert i.
-  It is computed per micro-batch, so data parallelism (which hands out whole micro-batches) is exact. Its
-  gradient is attached to the block output by :class:`_AttachAux` (forward: identity; backward: adds
+  With ``aux_loss_scope: micro_batch`` it is computed per micro-batch, so data parallelism (which hands out
+  whole micro-batches) is exact. With ``global_batch`` (MindFormers' gbs_aux_loss) ``f_i`` counts the
+  assignments of every data-parallel rank and of the step's micro-batches up to this one: each forward
+  all-reduces its counts [E] over the ranks the router's weight is data-parallel over (its DTensor mesh,
+  :func:`resolve_balance_groups`; tensor-parallel ranks see the same tokens, which leaves the fractions
+  unchanged) and adds them to a running sum that :class:`MoEStepStats` / :class:`PipelineMoEStats` reset
+  each step; ``P_i`` stays the micro-batch's own. An activation-recompute re-run of the forward (inside
+  backward) takes the fractions its first run used, in order, without communicating. Its gradient is
+  attached to the block output by :class:`_AttachAux` (forward: identity; backward: adds
   ``aux_grad_scale * d aux``), so it flows through FSDP's per-block backward like the main loss; the trainer
   sets ``aux_grad_scale`` (``set_aux_grad_scale``) to ``coef x the micro-batch's share of the global batch``
   times its own loss multipliers. The value of the last forward is kept in ``last_aux`` for logging.
@@ -27,14 +38,27 @@ Load balancing, both optional:
   data-parallel ranks), outside autograd.
 
 Tokens per expert of the last forward (``last_counts`` [E], before drops) are kept for logging and the bias.
+
+Context parallel (``context_parallel``, set by distributed/context_parallel.py): the block sees this rank's
+sequence chunks of the micro-batch. Routing is per token, so the routed output needs nothing; what is defined
+over the micro-batch is made whole-micro-batch: the counts [E] are all-reduced over CP (``last_counts``, hence
+the logged load figure and the aux-free bias loads, are the micro-batch's); the aux loss takes ``f_i`` from
+those counts and ``P_i`` from the CP-summed score sums over the whole micro-batch's tokens, the sum's backward
+passing the gradient to this rank's scores unchanged (the aux value is the same on every CP rank, each rank's
+backward gives its tokens' share of the gradient, and the trainer's ``aux_grad_scale`` carries the x cp that
+FSDP's average over ``dp x cp`` removes, as for the token loss); a capacity counts the whole micro-batch's
+tokens and the drops are decided on every CP rank's choices gathered in sequence order, as one process
+decides them (``_cp_kept``). With ``global_batch`` the balance groups already include the CP ranks.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -82,6 +106,7 @@ class Router(nn.Module):
         self.score, self.route_norm = args.router_score, args.route_norm
         self.n_group, self.topk_group = args.n_group, args.topk_group
         self.routed_scaling_factor = args.routed_scaling_factor
+        self.pre_softmax, self.fp32 = args.pre_softmax, args.router_fp32
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
 
@@ -98,12 +123,20 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scores [N, E] fp32, chosen experts [N, k], their weights [N, k] fp32) for tokens x [N, D]."""
-        logits = self.gate(x).float()
+        if self.fp32:  # fp32 input and weight: no 16-bit rounding of the logits
+            with torch.autocast(x.device.type, enabled=False):
+                logits = F.linear(x.float(), self.gate.weight.float())
+        else:
+            logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        chosen = torch.topk(self._choice_scores(scores), self.top_k, dim=-1).indices  # [N, k]
-        weights = scores.gather(1, chosen)
-        if self.route_norm:
-            weights = weights / weights.sum(-1, keepdim=True)
+        if self.score == "softmax" and not self.pre_softmax:  # top-k of the logits, softmax over the chosen
+            chosen = torch.topk(self._choice_scores(logits), self.top_k, dim=-1).indices  # [N, k]
+            weights = logits.gather(1, chosen).softmax(-1)
+        else:
+            chosen = torch.topk(self._choice_scores(scores), self.top_k, dim=-1).indices  # [N, k]
+            weights = scores.gather(1, chosen)
+            if self.route_norm:
+                weights = weights / weights.sum(-1, keepdim=True)
         if self.routed_scaling_factor != 1.0:
             weights = weights * self.routed_scaling_factor
         return scores, chosen, weights
@@ -112,16 +145,58 @@ class Router(nn.Module):
         self.expert_bias.zero_()
 
 
-def load_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balance_loss(
+    scores: torch.Tensor,
+    chosen: torch.Tensor,
+    num_experts: int,
+    fraction: torch.Tensor | None = None,
+    context_parallel: Any = None,
+) -> torch.Tensor:
     """Switch/GShard auxiliary loss ``E * sum_i f_i * P_i`` (1.0 when perfectly balanced).
 
-    ``f_i``: fraction of the N*k assignments in ``chosen`` [N, k] that went to expert i (no gradient);
-    ``P_i``: mean over tokens of expert i's score, normalised per token to sum to 1 (``scores`` [N, E]).
+    ``f_i``: fraction of the N*k assignments in ``chosen`` [N, k] that went to expert i (no gradient), or the
+    given ``fraction`` [E] (the global-batch scope, and under context parallel); ``P_i``: mean over tokens of
+    expert i's score, normalised per token to sum to 1 (``scores`` [N, E]). ``context_parallel``: the tokens
+    are this rank's part of the micro-batch; ``P_i`` sums every CP rank's scores (the gradient reaching this
+    rank's tokens only, ``ContextParallel.sum_keep_grad``) and divides by the whole micro-batch's tokens.
     """
-    counts = torch.bincount(chosen.flatten(), minlength=num_experts).to(scores.dtype)
-    f = counts / chosen.numel()
-    p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+    if fraction is None:
+        counts = torch.bincount(chosen.flatten(), minlength=num_experts).to(scores.dtype)
+        f = counts / chosen.numel()
+    else:
+        f = fraction.to(scores.dtype)
+    normalised = scores / scores.sum(-1, keepdim=True)
+    if context_parallel is None:
+        p = normalised.mean(0)
+    else:
+        p = context_parallel.sum_keep_grad(normalised.sum(0)) / (scores.shape[0] * context_parallel.size)
     return num_experts * (f * p).sum()
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (an activation-recompute re-run of a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def kept_assignments(
+    flat_expert: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, capacity: int, policy: str
+) -> torch.Tensor:
+    """Indices of the kept assignments [M], grouped by expert in token order, at most ``capacity`` per expert.
+
+    ``flat_expert`` [N*k] (assignment a = token * k + slot), ``weights`` [N*k], ``counts`` [E]. ``position``
+    keeps each expert's first ``capacity`` assignments in token order; ``probs`` its ``capacity`` highest
+    weights (ties: the earlier token)."""
+    order = torch.argsort(flat_expert, stable=True)  # by expert, token order inside
+    starts = torch.cumsum(counts, 0) - counts  # [E] first sorted position of each expert
+    if policy == "position":
+        position = torch.arange(order.numel(), device=order.device) - starts[flat_expert[order]]
+        return order[position < capacity]
+    by_weight = torch.argsort(-weights.detach(), stable=True)  # highest weight first, earlier token on ties
+    ranked = by_weight[torch.argsort(flat_expert[by_weight], stable=True)]  # by expert, weight order inside
+    rank = torch.arange(ranked.numel(), device=ranked.device) - starts[flat_expert[ranked]]
+    keep = torch.zeros_like(flat_expert, dtype=torch.bool)
+    keep[ranked[rank < capacity]] = True
+    return order[keep[order]]
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float | None) -> int | None:
@@ -149,6 +224,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.top_k
         self.aux_loss_coef, self.capacity_factor = args.aux_loss_coef, args.capacity_factor
+        self.aux_loss_scope, self.drop_policy = args.aux_loss_scope, args.drop_policy
         self.router = Router(args)
         self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_hidden_size)
         self.shared_experts: FeedForward | None = None
@@ -161,6 +237,13 @@ class MoE(nn.Module):
         self.last_aux: torch.Tensor | None = None  # detached aux loss of the last forward
         self.last_counts: torch.Tensor | None = None  # [E] assignments per expert of the last forward
         self.step_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # pipeline: PipelineMoEStats sets it
+        # global-batch aux loss: the groups to sum counts over (None: not resolved yet), the step's running
+        # sum of counts [E] and the fractions each first forward used, for recompute re-runs (in order)
+        self.balance_groups: list | None = None
+        self.balance_sum: torch.Tensor | None = None
+        self.balance_used: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local counts [E], fraction [E])
+        # context parallel (distributed/context_parallel.py sets it): x holds this rank's sequence chunks
+        self.context_parallel: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -169,13 +252,17 @@ class MoE(nn.Module):
         scores, chosen, weights = self.router(x_flat)  # [N, E], [N, k], [N, k]
         flat_expert = chosen.flatten()  # [N*k], assignment a = token * k + slot
         counts = torch.bincount(flat_expert, minlength=self.num_experts)  # [E]
+        cp = self.context_parallel
+        mb_counts = counts if cp is None else self._cp_counts(counts)  # [E] of the whole micro-batch
         order = torch.argsort(flat_expert, stable=True)  # assignments grouped by expert, token order inside
-        capacity = expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor)
+        mb_tokens = n if cp is None else n * cp.size
+        capacity = expert_capacity(mb_tokens, self.top_k, self.num_experts, self.capacity_factor)
         kept = counts
-        if capacity is not None:
-            starts = torch.cumsum(counts, 0) - counts  # [E] first sorted position of each expert
-            position = torch.arange(order.numel(), device=x.device) - starts[flat_expert[order]]
-            order = order[position < capacity]  # drop each expert's assignments past its capacity
+        if capacity is not None and cp is not None:  # drops decided on the whole micro-batch (CP ranks)
+            order = self._cp_kept(flat_expert, weights, mb_counts, capacity, shape)
+            kept = torch.bincount(flat_expert[order], minlength=self.num_experts)
+        elif capacity is not None:  # drop each expert's assignments past its capacity (drop_policy)
+            order = kept_assignments(flat_expert, weights.flatten(), counts, capacity, self.drop_policy)
             kept = counts.clamp(max=capacity)
         token = order // self.top_k  # [M]
         y = self.experts(x_flat[token], kept)  # [M, D]
@@ -187,19 +274,99 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x_flat)) * shared  # [N, 1] gate per token
             out = out + shared
-        self.last_counts = counts.detach()
+        self.last_counts = mb_counts.detach()
         if self.aux_loss_coef > 0:
-            aux = load_balance_loss(scores, chosen, self.num_experts)
+            fraction = None
+            if self.aux_loss_scope == "global_batch" and self.training and torch.is_grad_enabled():
+                fraction = self._global_fraction(counts)
+            elif cp is not None:  # f over the whole micro-batch
+                fraction = mb_counts.float() / mb_counts.sum().clamp(min=1).float()
+            aux = load_balance_loss(scores, chosen, self.num_experts, fraction, cp)
             self.last_aux = aux.detach()
             if torch.is_grad_enabled() and self.aux_grad_scale:
                 out = _AttachAux.apply(out, aux, self.aux_loss_coef * self.aux_grad_scale)
         return out.reshape(shape)
+
+    @torch.compiler.disable
+    def _cp_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Context parallel: the micro-batch's assignments per expert [E], this rank's summed over CP."""
+        return self.context_parallel.sum_(counts.clone())
+
+    @torch.compiler.disable
+    def _cp_kept(
+        self, flat_expert: torch.Tensor, weights: torch.Tensor, mb_counts: torch.Tensor, capacity: int,
+        shape: torch.Size,
+    ) -> torch.Tensor:  # fmt: skip
+        """Context parallel with a capacity: this rank's kept assignments (grouped by expert, token order
+        inside), the drops decided as one process decides them: every CP rank's choices (and weights, for
+        ``drop_policy: probs``) all-gathered in sequence order, :func:`kept_assignments` on the whole
+        micro-batch, this rank's positions kept."""
+        cp, k = self.context_parallel, self.top_k
+        bsz, t = shape[0], shape[1]
+        experts = cp.sequence(flat_expert.view(bsz, t, k))  # [B, T, k]
+        mb_weights = cp.sequence(weights.view(bsz, t, k))
+        kept = kept_assignments(
+            experts.flatten(), mb_weights.flatten(), mb_counts, capacity, self.drop_policy
+        )
+        keep = torch.zeros(experts.numel(), dtype=torch.bool, device=flat_expert.device)
+        keep[kept] = True
+        local = cp.local_part(keep.view(experts.shape)).flatten()  # [N * k] this rank's assignments
+        order = torch.argsort(flat_expert, stable=True)
+        return order[local[order]]
+
+    @torch.compiler.disable
+    def _global_fraction(self, counts: torch.Tensor) -> torch.Tensor:
+        """f [E] of the global-batch scope (module docstring): this forward's counts summed over the balance
+        groups, added to the step's running sum, normalised; a recompute re-run returns its first run's (the
+        oldest kept one with the same local counts: a re-run that stopped early, before this point, leaves its
+        entry behind, which the next re-run passes over)."""
+        if _in_backward():
+            while self.balance_used:
+                local, fraction = self.balance_used.pop(0)
+                if torch.equal(local, counts):
+                    return fraction
+            local = counts.detach().float()  # nothing kept (not expected): no communication inside backward
+            return local / local.sum().clamp(min=1.0)
+        summed = counts.detach().float()
+        for group in self.balance_groups or []:
+            dist.all_reduce(summed, group=group)
+        self.balance_sum = summed if self.balance_sum is None else self.balance_sum + summed
+        fraction = self.balance_sum / self.balance_sum.sum().clamp(min=1.0)
+        self.balance_used.append((counts.detach().clone(), fraction))
+        return fraction
+
+    def reset_balance(self) -> None:
+        """Start a new step of the global-batch scope (no running sum, no kept fractions)."""
+        self.balance_sum, self.balance_used = None, []
 
 
 # ---------------------------------------------------------------- model-level helpers (used by the trainer)
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The MoE modules of ``model`` in block order (empty for a dense model)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def resolve_balance_groups(model: nn.Module) -> None:
+    """For the global-batch aux loss: the process groups over which each MoE block's counts are summed, once.
+
+    They are the mesh dimensions of the router weight's DTensor (FSDP's data-parallel mesh: dp_replicate x
+    dp_shard, or dp_shard x cp; with TP also the tp dimension, whose ranks route the same tokens, which scales
+    every count alike and leaves the fractions unchanged). Called between steps, while FSDP holds the sharded
+    DTensor; a plain weight (one data-parallel rank) sums nothing."""
+    for m in moe_layers(model):
+        if m.aux_loss_scope != "global_batch" or m.balance_groups is not None:
+            continue
+        weight = m.router.gate.weight
+        mesh = getattr(weight, "device_mesh", None)
+        m.balance_groups = (
+            [mesh.get_group(i) for i in range(mesh.ndim) if mesh.size(i) > 1] if mesh is not None else []
+        )
+
+
+def reset_balance(model: nn.Module) -> None:
+    """End of a step: the global-batch aux loss starts its running counts again."""
+    for m in moe_layers(model):
+        m.reset_balance()
 
 
 def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
@@ -247,6 +414,7 @@ class MoEStepStats:
     def start(self, model: nn.Module, mb: dict[str, torch.Tensor], loss_multiplier: float) -> None:
         self.tokens = int((mb["labels"] != -100).sum())
         set_aux_grad_scale(model, self.tokens * loss_multiplier)
+        resolve_balance_groups(model)
 
     def end(self, model: nn.Module) -> None:
         aux, counts = last_moe_stats(model)
@@ -255,6 +423,7 @@ class MoEStepStats:
         self.counts = counts if self.counts is None else self.counts + counts
 
     def finish(self, model: nn.Module, dp_sum, n_tokens: int, update_bias: bool = True) -> dict:
+        reset_balance(model)
         if self.counts is None:  # a pipeline step: the schedule ran the micro-batches (PipelineMoEStats)
             self.aux_sum, self.counts = PipelineMoEStats.take(model)
         if self.counts is None:
@@ -267,6 +436,18 @@ class MoEStepStats:
         balance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).max().item()
         self.aux_sum, self.counts = None, None
         return {"moe_aux_loss": aux, "moe_load_max_over_mean": balance}
+
+
+def _cp_total(model: nn.Module, value: float) -> float:
+    """``value`` summed over the CP group of ``model``'s MoE blocks (unchanged without context parallel): a
+    pipeline rank under CP counts the tokens of its own sequence chunks, the aux loss weighs whole
+    micro-batches'."""
+    layers = moe_layers(model)
+    cp = layers[0].context_parallel if layers else None
+    if cp is None:
+        return value
+    total = torch.tensor([value], dtype=torch.float64, device=layers[0].router.expert_bias.device)
+    return float(cp.sum_(total).item())
 
 
 class PipelineMoEStats:
@@ -296,12 +477,16 @@ class PipelineMoEStats:
                 self._forwards.setdefault(id(m), []).append((m.last_aux, m.last_counts))
 
     def before_step(self, model: nn.Module, aux_grad_scale: float) -> None:
-        """Before the schedule's step: ``aux_grad_scale`` is tokens per micro-batch x the loss multiplier."""
+        """Before the schedule's step: ``aux_grad_scale`` is tokens per micro-batch x the loss multiplier (under
+        context parallel the runner counts this rank's chunks: summed over CP here, :func:`_cp_total`)."""
         self._forwards.clear()
-        set_aux_grad_scale(model, aux_grad_scale)
+        set_aux_grad_scale(model, _cp_total(model, aux_grad_scale))
+        resolve_balance_groups(model)
+        reset_balance(model)
 
     def after_step(self, model: nn.Module, n_mb: int, tokens_per_mb: float) -> None:
         """After the schedule's step: each MoE block of ``model`` gets (token-weighted aux sum, counts [E])."""
+        tokens_per_mb = _cp_total(model, tokens_per_mb)
         for m in moe_layers(model):
             recorded = self._forwards.get(id(m), [])[-n_mb:]
             if recorded:

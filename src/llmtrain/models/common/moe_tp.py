@@ -23,8 +23,10 @@ backward: all-gather of the output gradient ``[N, D]``, all-reduce of the expert
 ``[M, D]`` (``f``) and, with shared experts, of their input gradient ``[N, D]``.
 
 :class:`FeedForwardTP` sits at ``feed_forward`` in a block plan and picks the dense plan or this one by the
-module it finds (DeepSeek-V3 and ``moe.every`` mix dense and MoE blocks). Expert parallel together with TP is
-refused by ``llmtrain.moe_rules`` (rule ``ep_with_tp``); the degrees TP needs (``moe_hidden_size % tp``) too.
+module it finds (DeepSeek-V3 and ``moe.every`` mix dense and MoE blocks). With expert parallel as well, the
+routed experts are left to ``distributed/expert_parallel.py`` (applied first: it marks them), which places the
+weights on its expert mesh and runs ``f`` / ``g`` around its all-to-all dispatch, in that order; everything
+else in the block keeps this plan. The degrees TP needs (``moe_hidden_size % tp``) are ``llmtrain.moe_rules``'.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class SumGradOverGroup(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    """``g``: forward sums the partial expert outputs over the TP group; backward identity."""
+class ReduceOverGroup(torch.autograd.Function):
+    """``g``: forward sums the partial expert outputs over ``group`` (the TP group); backward identity (also
+    the expert-parallel combine under TP, distributed/expert_parallel.py)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -81,6 +84,8 @@ class ExpertTP(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, GroupedExperts)
+        if getattr(module, "expert_parallel", 1) > 1:  # expert parallel owns these experts and their TP hooks
+            return module
         for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):  # w1 / w3 [E, H, D], w2 [E, D, H]
             param = getattr(module, name)
             sharded = distribute_tensor(param.data, device_mesh, [Shard(dim)], src_data_rank=None)
@@ -92,7 +97,7 @@ class ExpertTP(ParallelStyle):
             return SumGradOverGroup.apply(x, group), counts
 
         def reduce_out(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-            return _ReduceFromTP.apply(out, group)
+            return ReduceOverGroup.apply(out, group)
 
         module.register_forward_pre_hook(copy_in)
         module.register_forward_hook(reduce_out)

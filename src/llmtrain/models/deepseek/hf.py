@@ -44,7 +44,7 @@ from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf, row_blocks
 from llmtrain.models.common.hf_config import ConfigReader, HFDefaults, common_args_from_hf, common_hf_config
-from llmtrain.models.common.hf_moe import MoENames, adding, moe_from_hf, moe_to_hf
+from llmtrain.models.common.hf_moe import MoENames, adding, check_routing, moe_from_hf, moe_to_hf
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 KEEP_FP32 = ("mlp.gate.e_score_correction_bias",)
@@ -106,6 +106,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerArgs) -> dict
 
 def to_hf_config(args: TransformerArgs) -> dict[str, Any]:
     """config.json content that ``transformers.DeepseekV3Config`` loads (a dense model: every block dense)."""
+    if args.num_experts:
+        check_routing(args, ARCHITECTURE, scaled_groups=True)
     wrong = []
     if not args.kv_lora_rank or args.position_embedding != "rope" or args.norm_head or args.mlp_bias:
         wrong.append("multi-head latent attention (kv_lora_rank > 0) with RoPE, no norm_head / mlp_bias")

@@ -5,10 +5,10 @@ renormalised (``route_norm``), each expert ``intermediate_size`` wide, no shared
 Mixtral-8x7B-v0.1: hidden 4,096, 32 layers, 32 heads of 128, 8 KV heads, ffn 14,336, vocab 32,000,
 rope_theta 1,000,000, rms_norm_eps 1e-5, no sliding window, router aux coefficient 0.02 (its config.json's
 ``router_aux_loss_coef``): 46,702,792,704 parameters, 12,879,925,248 active per token (published: 46.7B /
-12.9B). ``debug``: 4 experts of width 128, top 2, a 16-token window. Parallelism: expert parallel (``ep``
-= ``dp``) and ZeRO as for every MoE model; the common TP plan (attention by heads, experts by hidden units:
-``models/common/moe_tp.py``), and pipeline parallel; expert parallel together with TP is refused by
-``llmtrain.feasibility`` (rule ``ep_with_tp``).
+12.9B). ``debug``: 4 experts of width 128, top 2, a 16-token window. Parallelism: expert parallel (any ``ep``
+dividing dp x cp x tp, with expert-TP as ``distributed/expert_parallel.py`` lays it out) and ZeRO as for
+every MoE model; the common TP plan (attention by heads, experts by hidden units: ``models/common/moe_tp.py``),
+and pipeline parallel.
 """
 
 from __future__ import annotations

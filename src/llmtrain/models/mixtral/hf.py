@@ -21,7 +21,7 @@ from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf
 from llmtrain.models.common.hf_config import ConfigReader, HFDefaults, common_args_from_hf, common_hf_config
-from llmtrain.models.common.hf_moe import MoENames, adding, moe_from_hf, moe_to_hf
+from llmtrain.models.common.hf_moe import MoENames, adding, check_routing, moe_from_hf, moe_to_hf
 from llmtrain.models.mistral.hf import check_exportable
 
 DEFAULTS = HFDefaults(
@@ -60,12 +60,14 @@ def experts_key(r: ConfigReader, default: int) -> int:
 def to_hf_config(args: TransformerArgs) -> dict[str, Any]:
     """config.json content that ``transformers.MixtralConfig`` loads."""
     check_exportable(args, "MixtralForCausalLM")
+    if args.num_experts:
+        check_routing(args, "MixtralForCausalLM")
     wrong = []
     if not args.num_experts or args.num_moe_layers != args.num_layers:
         wrong.append("an MoE feed-forward in every block (model.moe.every 1, first_dense_layers 0)")
     if args.moe_hidden_size != args.intermediate_size:
         wrong.append("experts as wide as model.intermediate_size (model.moe.moe_hidden_size)")
-    if args.shared_experts or args.router_score != "softmax" or not args.route_norm:
+    if args.shared_experts or args.router_score != "softmax" or not (args.route_norm or not args.pre_softmax):
         wrong.append("no shared experts, a softmax router and renormalised top-k weights (route_norm)")
     if wrong:
         raise ConfigError(f"MixtralForCausalLM needs {'; '.join(wrong)}; this model differs.")

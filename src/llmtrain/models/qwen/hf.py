@@ -30,7 +30,7 @@ from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.hf_adapter import LLAMA_LAYER, rename_from_hf, rename_to_hf
 from llmtrain.models.common.hf_config import ConfigReader, HFDefaults, common_args_from_hf, common_hf_config
-from llmtrain.models.common.hf_moe import MoENames, adding, moe_from_hf, moe_to_hf
+from llmtrain.models.common.hf_moe import MoENames, adding, check_routing, moe_from_hf, moe_to_hf
 from llmtrain.models.mixtral.hf import experts_key
 
 QWEN2_DEFAULTS = HFDefaults(num_key_value_heads=32, max_position_embeddings=32768)
@@ -82,6 +82,7 @@ def _sliding_keys(args: TransformerArgs, rule: str) -> dict[str, Any]:
 
 
 def _check_moe(args: TransformerArgs, architecture: str) -> None:
+    check_routing(args, architecture)
     problems = []
     if args.router_score != "softmax":
         problems.append("a softmax router (model.moe.router_score)")
@@ -98,7 +99,7 @@ def _moe_keys(args: TransformerArgs) -> dict[str, Any]:
         "num_experts": args.num_experts,
         "num_experts_per_tok": args.top_k,
         "moe_intermediate_size": args.moe_hidden_size,
-        "norm_topk_prob": args.route_norm,
+        "norm_topk_prob": args.route_norm or not args.pre_softmax,  # post-softmax top-k sums to 1
         "decoder_sparse_step": args.moe_every,
         "mlp_only_layers": list(range(args.first_dense_layers)),
         "router_aux_loss_coef": args.aux_loss_coef,

@@ -19,14 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtrain.data.indexed import IndexedDataset, bin_path, optimal_dtype
+from llmtrain.data.indexed import optimal_dtype
 from llmtrain.data.prep.job import PartCounters
 from llmtrain.data.prep.parts import CHUNK_CHARS, CHUNK_DOCUMENTS
 from llmtrain.data.prep.pipeline import cached_tokenizer, tokenize_texts
-from llmtrain.data.prep.shards import PartWriter, iter_part_batches, part_prefix
+from llmtrain.data.prep.shards import PartWriter, iter_merged, iter_part_batches, part_prefix
 from llmtrain.data.prep.stages.layout import LOW, SHIFT, StageContext, save_npy
-
-MERGE_DOCUMENTS = 4096  # documents per batch of the merged stream of a file's slices
 
 
 def _drops(ctx: StageContext, k: int, n: int) -> np.ndarray:
@@ -126,28 +124,4 @@ def staged_batches(ctx: StageContext) -> Iterator[tuple[np.ndarray, np.ndarray]]
 def _merged(folder: Path, parts: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The documents of ``parts`` (each in id order) merged into one id order, in batches."""
     ids = [np.load(f"{part_prefix(folder, k)}.ids.npy") for k in parts]
-    source = np.concatenate([np.full(len(x), j, dtype=np.int64) for j, x in enumerate(ids)])
-    source = source[np.argsort(np.concatenate(ids), kind="stable")]  # [D] the part of each document in order
-    sizes = [IndexedDataset(str(part_prefix(folder, k))).sizes.astype(np.int64) for k in parts]
-    dtype = IndexedDataset(str(part_prefix(folder, parts[0]))).dtype
-    files = [open(bin_path(part_prefix(folder, k)), "rb") for k in parts]
-    taken = [0] * len(parts)
-    try:
-        for i in range(0, len(source), MERGE_DOCUMENTS):
-            block = source[i : i + MERGE_DOCUMENTS]
-            pieces: list[list[np.ndarray]] = []
-            for j in range(len(parts)):  # each part's next documents, read in one go
-                n = int((block == j).sum())
-                lens = sizes[j][taken[j] : taken[j] + n]
-                taken[j] += n
-                tokens = np.fromfile(files[j], dtype=dtype, count=int(lens.sum()))
-                pieces.append(np.split(tokens, np.cumsum(lens)[:-1]) if n else [])
-            cursor = [0] * len(parts)
-            docs = []
-            for j in block.tolist():
-                docs.append(pieces[j][cursor[j]])
-                cursor[j] += 1
-            yield np.concatenate(docs), np.asarray([len(d) for d in docs], dtype=np.int64)
-    finally:
-        for f in files:
-            f.close()
+    return iter_merged([part_prefix(folder, k) for k in parts], ids)
