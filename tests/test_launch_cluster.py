@@ -407,7 +407,7 @@ def test_launch_more_processes_than_cores_warns(tiny_corpus, tmp_path):
 SLURM_BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "sinfo", "scancel")
 SLURM_CONF = """\
 ClusterName=llmtraintest
-SlurmctldHost={host}
+SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 AuthType=auth/munge
 CredType=cred/munge
