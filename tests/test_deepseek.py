@@ -33,7 +33,7 @@ from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.generate import generate
 from llmtrain.models import FAMILIES, KVCache, build_model
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.moe import Router
+from llmtrain.models.common.router import Router
 from llmtrain.models.hf_io import load_hf_pretrained, read_hf_state_dict, save_hf
 from llmtrain.resolve import derive
 from test_parallel import base as parallel_base  # tests/ is on sys.path under pytest

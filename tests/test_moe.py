@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from llmtrain.config import config_from_dict
 from llmtrain.errors import ConfigError
 from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.moe import MoE, load_balance_loss, update_expert_bias
+from llmtrain.models.common.moe import MoE, update_expert_bias
+from llmtrain.models.common.router import load_balance_loss
 from llmtrain.models.qwen import QWEN3
 from llmtrain.resolve import derive
 from llmtrain.train.trainer import Trainer
