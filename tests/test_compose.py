@@ -7,16 +7,26 @@ seq 64, packed short documents with the document mask on (so each pipeline micro
 context parallel), fp32, clipping active, 3 steps. One torchrun launch per world size runs every variant:
 
 * 8 ranks (slow: 8 processes on 2 cores): DP2 x TP2 x PP2 with ZeRO 3 (which under PP runs as 2, the
-  ``pp_zero3`` advice), checkpointed after the steps; CP2 x TP2 x PP2.
-* 4 ranks: CP2 x PP2 with the 1F1B, interleaved 1F1B, zero-bubble and ZBV schedules; and the 8-rank checkpoint
-  resumed as CP2 x TP2, whose next losses equal the uninterrupted single-process run's.
+  ``pp_zero3`` advice); CP2 x TP2 x PP2.
+* 4 ranks: CP2 x PP2 with the 1F1B, interleaved 1F1B, zero-bubble and ZBV schedules; and CP2 x TP2 resuming
+  the chain below.
 * 2 ranks: CP2 with ``train.compile``, with ``train.fp8`` (tensorwise, torchao's emulated fp8 GEMMs as
   tests/test_grad_sync.py, against a single-process fp8 run: step 1 by the parity rule, later steps within
   fp8's own sensitivity, see ``close_fp8``) and with ``parallel.cpu_offload``.
 
-Also: the 8-rank checkpoint resumed on one process continues the uninterrupted run; the per-micro-batch masks
-of the pipeline stage hook (no processes); ``llmtrain check`` accepts every layout above (exit 0) and refuses,
-with exit 2 and a sentence, degrees that do not divide.
+Checkpoints across layouts, a chain: the 8-rank DP2 x TP2 x PP2 run's checkpoint (step 3) resumed on one
+process (steps 4-6, checkpointed), that checkpoint resumed as the 4-rank CP2 x TP2 (steps 7-9); each link's
+losses and grad norms by the parity rule of the uninterrupted single-process run. (The MoE continuation, ...
+-> CP2 x TP2 -> EP2 x TP2, is tests/test_compose_moe.py's ``CHAIN``: an MoE cannot resume a dense model.)
+
+Hugging Face export: each layout in ``EXPORTED`` (DP2 x TP2 x PP2, CP2 x TP2 x PP2, CP2 x PP2 1F1B, CP2 with
+CPU offload) is saved after step 3, exported on one process (``llmtrain export``, in process) and compared
+with the single process's export of step 3 (``test_compose_moe.assert_same_export``): identical config.json,
+generation config and tokenizer files, the same tensor names and shapes, every tensor the same AdamW update
+(``conftest.assert_same_adam_update``: the runs differ only by the order of their sums).
+
+Also: the per-micro-batch masks of the pipeline stage hook (no processes); ``llmtrain check`` accepts every
+layout above (exit 0) and refuses, with exit 2 and a sentence, degrees that do not divide.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from llmtrain.config import config_from_dict
 from llmtrain.distributed import float8
 from llmtrain.distributed.context_parallel import ContextParallel
 from llmtrain.train.trainer import Trainer
+from test_compose_moe import assert_same_export, ckpt_of
 from test_context_parallel import base as cp_base
 from test_context_parallel import packed_corpus  # noqa: F401  (the fixture: short packed documents)
 from test_parallel import close, launch, per_step
@@ -53,7 +64,10 @@ LAYOUTS2 = {  # (parallel, train) overrides
     "cp2_fp8": ({"context_parallel": 2}, {"fp8": "tensorwise"}),
     "cp2_cpu_offload": ({"context_parallel": 2, "cpu_offload": True}, {}),
 }
-RESUMED = {"context_parallel": 2, "tensor_parallel": 2}  # the 8-rank checkpoint resumed on 4 ranks
+RESUMED = {"context_parallel": 2, "tensor_parallel": 2}  # the chain's 4-rank link (resumes step 2 x STEPS)
+LR = 3e-3  # test_context_parallel.base's peak learning rate
+# Layouts saved after their steps whose Hugging Face export is compared with the single process's at STEPS.
+EXPORTED = ("dp2_tp2_pp2_zero3", "cp2_tp2_pp2", "cp2_pp2_1f1b", "cp2_cpu_offload")
 
 
 def run_base(prefix: str) -> dict:
@@ -70,11 +84,13 @@ def single(
     resume: str | None = None,
     perturb: float = 0.0,
     validate_at: int = 0,
+    save_at: int = 0,
 ) -> dict:
     """One process: ``steps`` steps (from the checkpoint ``resume``); ``perturb``: every initial weight times
     ``1 + perturb x N(0, 1)`` first (a last-bit change at 1e-7, fp32's epsilon); ``validate_at``: the
     validation loss after that many steps (4 eval iterations of one micro-batch: the sequences of one
-    pipeline eval iteration, which evaluates a whole global batch)."""
+    pipeline eval iteration, which evaluates a whole global batch); ``save_at``: a checkpoint after that many
+    steps (into ``out``'s default place)."""
     cfg = run_base(prefix)
     cfg["eval"]["eval_iters"] = 4
     cfg["train"]["fp8"] = fp8
@@ -95,6 +111,9 @@ def single(
             outs.append(t.train_step())
             if i + 1 == validate_at:
                 val = t.validate()["val_loss"]
+            if i + 1 == save_at:
+                t.save()
+                t.checkpointer.wait()
         r = per_step(outs)
         t.metrics.close()
     finally:
@@ -104,13 +123,16 @@ def single(
 
 @pytest.fixture(scope="module")
 def reference(packed_corpus, tmp_path_factory) -> dict:  # noqa: F811
-    """One process: 2 x STEPS steps in fp32 (the first STEPS the parity reference, the rest what a resume at
-    STEPS must continue with); STEPS steps in emulated fp8, and again from last-bit perturbed weights."""
-    fp32 = single(packed_corpus, tmp_path_factory.mktemp("ref"), 2 * STEPS, validate_at=STEPS)
+    """One process: 3 x STEPS steps in fp32, checkpointed after STEPS (the first STEPS the parity reference,
+    the next what a resume at STEPS must continue with, the last what the chain's resume at 2 x STEPS must);
+    STEPS steps in emulated fp8, and again from last-bit perturbed weights."""
+    root = tmp_path_factory.mktemp("ref")
+    fp32 = single(packed_corpus, root, 3 * STEPS, validate_at=STEPS, save_at=STEPS)
     assert all(g > 0.05 for g in fp32["grad_norm"])  # clipping at 0.05 really acts
     first = {k: fp32[k][:STEPS] for k in ("loss", "grad_norm")}
     first["val_loss"] = fp32["val_loss"]
-    after = {k: fp32[k][STEPS:] for k in ("loss", "grad_norm")}
+    after = {k: fp32[k][STEPS : 2 * STEPS] for k in ("loss", "grad_norm")}
+    after2 = {k: fp32[k][2 * STEPS :] for k in ("loss", "grad_norm")}
     fp8 = single(packed_corpus, tmp_path_factory.mktemp("ref-fp8"), STEPS, fp8="tensorwise")
     assert max(abs(a - b) for a, b in zip(fp8["loss"], first["loss"])) > 1e-5  # fp8 really quantizes
     nudged = single(
@@ -118,7 +140,8 @@ def reference(packed_corpus, tmp_path_factory) -> dict:  # noqa: F811
     )
     keys = ("loss", "grad_norm")
     return {
-        "fp32": first, "after": after, "fp8": {k: fp8[k] for k in keys}, "fp8_nudged": {k: nudged[k] for k in keys}
+        "fp32": first, "after": after, "after2": after2, "ckpt": ckpt_of(root, STEPS),
+        "fp8": {k: fp8[k] for k in keys}, "fp8_nudged": {k: nudged[k] for k in keys},
     }  # fmt: skip
 
 
@@ -141,42 +164,73 @@ def spec(prefix: str, variants: dict) -> dict:
     return {"base": cfg, "steps": STEPS, "variants": variants}
 
 
+def saved(variants: dict, tmp: Path) -> dict[str, Path]:
+    """The EXPORTED variants among ``variants`` save after their steps into their own run directories under
+    ``tmp``: name -> the checkpoint (step STEPS)."""
+    out = {}
+    for name in set(EXPORTED) & set(variants):
+        run = tmp / f"run-{name}"
+        variants[name].update(run={"output_dir": str(run)}, save_after_steps=True)
+        out[name] = ckpt_of(run, STEPS)
+    return out
+
+
+def assert_exports_match(results: dict, ckpts: dict[str, Path], reference: dict, tmp: Path) -> None:
+    for name, ckpt in ckpts.items():
+        assert name in results and (ckpt / "COMMITTED").exists(), name
+        assert_same_export(name, ckpt, reference["ckpt"], tmp, lr_sum=STEPS * LR)
+
+
 @pytest.fixture(scope="module")
-def launched8(packed_corpus, tmp_path_factory) -> tuple[dict, Path]:  # noqa: F811
+def launched8(packed_corpus, tmp_path_factory) -> tuple[dict, dict[str, Path]]:  # noqa: F811
     tmp = tmp_path_factory.mktemp("compose8")
     variants: dict[str, dict] = {name: {"parallel": p} for name, p in LAYOUTS8.items()}
-    variants["dp2_tp2_pp2_zero3"].update(checkpoint={"save_dir": str(tmp / "ckpt")}, save_after_steps=True)
-    return launch(8, spec(packed_corpus, variants), tmp), tmp / "ckpt" / f"step_{STEPS:08d}"
+    ckpts = saved(variants, tmp)
+    return launch(8, spec(packed_corpus, variants), tmp), ckpts
+
+
+@pytest.fixture(scope="module")
+def resumed_single(launched8, packed_corpus, reference, tmp_path_factory) -> tuple[dict, Path]:  # noqa: F811
+    """The chain's second link: the 8-rank DP2 x TP2 x PP2 checkpoint (step STEPS) resumed on one process for
+    STEPS steps, checkpointed after them (what the 4-rank CP2 x TP2 link resumes)."""
+    out = tmp_path_factory.mktemp("resumed-single")
+    r = single(packed_corpus, out, STEPS, resume=str(launched8[1]["dp2_tp2_pp2_zero3"]), save_at=STEPS)
+    return r, ckpt_of(out, 2 * STEPS)
 
 
 @pytest.mark.slow  # one 8-process launch on 2 cores
-def test_three_axes_on_8_ranks_match_single_process(launched8, reference):
-    results, ckpt = launched8
-    assert set(results) == set(LAYOUTS8)
+def test_three_axes_on_8_ranks_match_single_process(launched8, reference, tmp_path):
+    results, ckpts = launched8
+    assert set(results) == set(LAYOUTS8) == set(ckpts)
     for name, r in results.items():
         close(name, r, reference["fp32"])
-    assert (ckpt / "COMMITTED").exists()
+    assert_exports_match(results, ckpts, reference, tmp_path)
 
 
-@pytest.mark.slow  # one 4-process launch; resumes the 8-rank checkpoint
-def test_cp_under_pp_and_resume_as_cp_tp_match_single_process(launched8, packed_corpus, reference, tmp_path):  # noqa: F811
-    _, ckpt = launched8
+@pytest.mark.slow  # one 4-process launch; resumes the 8-rank checkpoint's one-process continuation
+def test_cp_under_pp_and_resume_as_cp_tp_match_single_process(
+    resumed_single,
+    packed_corpus,  # noqa: F811
+    reference,
+    tmp_path,
+):
     variants: dict[str, dict] = {name: {"parallel": p} for name, p in LAYOUTS4.items()}
     variants["cp2_pp2_1f1b"]["validate"] = True  # validation through the stages under CP
-    variants["resumed_cp2_tp2"] = {"parallel": RESUMED, "checkpoint": {"resume": str(ckpt)}}
+    variants["resumed_cp2_tp2"] = {"parallel": RESUMED, "checkpoint": {"resume": str(resumed_single[1])}}
+    ckpts = saved(variants, tmp_path)
     results = launch(4, spec(packed_corpus, variants), tmp_path)
     assert set(results) == set(variants)
     for name in LAYOUTS4:
         close(name, results[name], reference["fp32"])
     val, want = results["cp2_pp2_1f1b"]["val_loss"], reference["fp32"]["val_loss"]
     assert abs(val - want) < 1e-5, (val, want)
-    close("resumed_cp2_tp2", results["resumed_cp2_tp2"], reference["after"])
+    close("8 ranks -> 1 process -> resumed_cp2_tp2", results["resumed_cp2_tp2"], reference["after2"])
+    assert_exports_match(results, ckpts, reference, tmp_path)
 
 
-def test_8_rank_checkpoint_resumes_on_one_process(launched8, packed_corpus, reference, tmp_path):  # noqa: F811
-    _, ckpt = launched8
-    r = single(packed_corpus, tmp_path, STEPS, resume=str(ckpt))
-    assert r["start"] == STEPS
+def test_8_rank_checkpoint_resumes_on_one_process(resumed_single, reference):
+    r, ckpt = resumed_single
+    assert r["start"] == STEPS and (ckpt / "COMMITTED").exists()
     close("resumed_single", r, reference["after"])
 
 
@@ -184,6 +238,7 @@ def test_cp_with_compile_fp8_and_cpu_offload_match_single_process(packed_corpus,
     pytest.importorskip("torchao", reason="train.fp8 needs torchao (the fp8 / dev extra)")
     variants = {name: {"parallel": p, "train": t} for name, (p, t) in LAYOUTS2.items()}
     variants["cp2_fp8"]["fp8_emulate"] = True
+    ckpts = saved(variants, tmp_path)
     results = launch(2, spec(packed_corpus, variants), tmp_path)
     assert set(results) == set(variants)
     for name, r in results.items():
@@ -191,6 +246,7 @@ def test_cp_with_compile_fp8_and_cpu_offload_match_single_process(packed_corpus,
             close_fp8(name, r, reference["fp8"], reference["fp8_nudged"])
         else:
             close(name, r, reference["fp32"])
+    assert_exports_match(results, ckpts, reference, tmp_path)
 
 
 def test_stage_hook_builds_each_micro_batch_mask():

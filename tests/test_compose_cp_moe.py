@@ -13,8 +13,13 @@ load summed over only half the sequence would move the bias differently and the 
   the flavor's (0.5, so its gradient weighs in the grad norm): the drops are decided on the whole micro-batch;
   with full recompute (the CP all-reduce and all-gathers of the MoE block re-run inside backward).
 * ``qwen3_moe:cp2_ep2``: CP 2 x DP 2 with EP 2 drawn from the DP x CP ranks (each EP group is a CP pair).
-* ``deepseek:cp2_dp2`` and ``deepseek:cp2_tp2``: DeepSeek-V3's debug flavor (MLA with the latent and rotary key
-  all-gathered over CP, sigmoid group-limited routing, a shared expert, the selection bias), also with TP 2.
+* ``deepseek:cp2_ep2`` and ``deepseek:cp2_tp2``: DeepSeek-V3's debug flavor (MLA with the latent and rotary
+  key all-gathered over CP, sigmoid group-limited routing, a shared expert, the selection bias): CP 2 x DP 2
+  (ZeRO 3) with EP 2 drawn from the DP x CP ranks, and CP 2 x TP 2. ``deepseek:cp2_ep2`` is saved after step
+  3: its Hugging Face export (``llmtrain export``, in process) equals the single process's export of step 3:
+  identical config.json, generation config and tokenizer files, the same tensor names and shapes, every tensor
+  the same AdamW update (``test_compose_moe.assert_same_export``, ``conftest.assert_same_adam_update``: the
+  runs differ only by the order of their sums).
 * ``qwen3_moe_pp:cp2_pp2``: 4 layers, CP 2 x PP 2 (1F1B, 4 micro-batches): the pipeline rank's aux-loss weight
   counts whole micro-batches' tokens (summed over CP); the logged MoE figures cover the logging rank's stage
   only, so only losses and grad norms are compared.
@@ -31,7 +36,7 @@ import pytest
 import yaml
 
 from llmtrain.cli import main as cli_main
-from test_compose_moe import moe_figures, run_single
+from test_compose_moe import assert_same_export, ckpt_of, moe_figures, run_single
 from test_parallel import base as parallel_base
 from test_parallel import close, launch, per_step
 
@@ -49,7 +54,7 @@ LAYOUTS: dict[str, dict] = {  # group:layout -> parallel section (world 4)
     "qwen3_moe:cp2_dp2": {"context_parallel": 2, "zero_stage": 3},
     "qwen3_moe_cap:cp2_dp2": {"context_parallel": 2, "zero_stage": 3},
     "qwen3_moe:cp2_ep2": {"context_parallel": 2, "zero_stage": 3, "expert_parallel": 2},
-    "deepseek:cp2_dp2": {"context_parallel": 2, "zero_stage": 3},
+    "deepseek:cp2_ep2": {"context_parallel": 2, "zero_stage": 3, "expert_parallel": 2},
     "deepseek:cp2_tp2": {"context_parallel": 2, "tensor_parallel": 2},
     "qwen3_moe_pp:cp2_pp2": {
         "context_parallel": 2,
@@ -58,6 +63,8 @@ LAYOUTS: dict[str, dict] = {  # group:layout -> parallel section (world 4)
         "micro_batch_num": 4,
     },
 }
+EXPORTED = "deepseek:cp2_ep2"  # saved after the steps: its Hugging Face export is the single process's
+LR = 3e-3  # test_parallel.base's peak learning rate
 
 
 def group_config(prefix: str, group: str) -> dict:
@@ -68,11 +75,16 @@ def group_config(prefix: str, group: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tiny_corpus, tmp_path_factory) -> dict[str, list[dict]]:
+    """Single-process steps of every group (the exported one checkpointed after them, in ``dir``)."""
     out = {}
     for group in GROUPS:
-        steps = run_single(group_config(tiny_corpus, group), tmp_path_factory.mktemp(f"ref-{group}"), STEPS)
+        root = tmp_path_factory.mktemp(f"ref-{group}")
+        exported = group == EXPORTED.split(":")[0]
+        steps = run_single(group_config(tiny_corpus, group), root, STEPS, STEPS if exported else ())
         assert all(s["grad_norm"] > 0.05 for s in steps)  # clipping (0.05) really acts
         out[group] = steps
+        if exported:
+            out["dir"] = root
     return out
 
 
@@ -80,6 +92,8 @@ def reference(tiny_corpus, tmp_path_factory) -> dict[str, list[dict]]:
 def test_cp_moe_layouts_match_single_process(tiny_corpus, reference, tmp_path):
     variants = {name: {"model": GROUPS[name.split(":")[0]], "parallel": p} for name, p in LAYOUTS.items()}
     variants["qwen3_moe_cap:cp2_dp2"]["recompute"] = {"mode": "full"}  # CP collectives re-run in backward
+    run = tmp_path / "run-exported"
+    variants[EXPORTED].update({"run": {"output_dir": str(run)}, "save_after_steps": True})
     spec = {"base": group_config(tiny_corpus, "qwen3_moe"), "steps": STEPS, "variants": variants}
     results = launch(4, spec, tmp_path)
     assert set(results) == set(variants)
@@ -92,6 +106,8 @@ def test_cp_moe_layouts_match_single_process(tiny_corpus, reference, tmp_path):
         for a, b in zip(r["moe_aux_loss"], want["moe_aux_loss"], strict=True):
             assert abs(a - b) <= 1e-5 * b, (name, r["moe_aux_loss"], want["moe_aux_loss"])
         assert r["moe_load_max_over_mean"] == want["moe_load_max_over_mean"], name  # the same routing
+    ref_ckpt = ckpt_of(reference["dir"], STEPS)
+    assert_same_export(EXPORTED, ckpt_of(run, STEPS), ref_ckpt, tmp_path, lr_sum=STEPS * LR)
 
 
 def test_check_accepts_cp_moe_layouts(tiny_corpus, tmp_path, capsys):
