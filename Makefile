@@ -61,7 +61,7 @@ cluster-tools:
 	  || echo "openmpi-bin / slurm-wlm / munge not installed (needs root and apt): the mpirun and Slurm launch tests will be skipped"
 
 test: $(VENV)/.installed-dev browser cluster-tools
-	$(PY) -m pytest -q tests --durations=10
+	$(PY) -m pytest -q -n 2 --dist loadfile tests --durations=10
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests bench

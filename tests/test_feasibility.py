@@ -54,7 +54,6 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "pp_1f1b_microbatches": (2, [*PP2, "train.micro_batch_size=8"]),
     "pp_rounds": (2, [*PP2, "parallel.schedule=zero_bubble", "parallel.virtual_stages=2", "parallel.micro_batch_num=5"]),
     "pp_batch_split": (4, [*PP2, "parallel.micro_batch_num=3"]),
-    "pp_tied_embeddings": (2, [*PP2, "model.tie_word_embeddings=true"]),
     "pp_compile_zero_bubble": (2, [*PP2, "parallel.schedule=zero_bubble", "parallel.virtual_stages=2", "train.compile=true"]),
     "pp_even_split": (2, [*PP2, "model.num_layers=6", "parallel.schedule=zbv", "parallel.virtual_stages=2"]),
     "pipeline_layers_shape": (2, [*PP2, "parallel.pipeline_layers=[1, 2]"]),
@@ -119,7 +118,7 @@ def check_cli(capsys, path: Path, overrides: list[str], world: int) -> tuple[int
 
 def test_every_fatal_rule_has_a_case():
     assert set(CASES) == set(FATAL_RULES)
-    assert len(FATAL_RULES) == 28 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
+    assert len(FATAL_RULES) == 27 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
 
 
 # Degrees out of range are refused as the file is read (config/ranges.py), before any layout rule: the rule
@@ -188,7 +187,7 @@ def test_builders_assert_with_the_same_message(config_file):
     for rule, runner in (
         ("ep_experts", False),
         ("cpu_offload_without_dp", False),
-        ("pp_tied_embeddings", True),
+        ("pp_1f1b_microbatches", True),
     ):
         world, overrides = CASES[rule]
         message = trainer_verdict(config_file, overrides, world)
@@ -232,7 +231,7 @@ def test_planner_proposes_only_what_training_runs(tiny_corpus):
     setups = {  # name -> (model overrides, compile)
         "long_seq": (["model.seq_length=32768", "train.batch_size=64"], False),  # CP: trained since issue 17
         "moe": ([*MOE, "train.batch_size=64"], False),  # MoE x TP: refused once, now trained (moe_tp.py)
-        "tied": (["model.tie_word_embeddings=true", "train.batch_size=64"], False),  # tied x PP
+        "tied": (["model.tie_word_embeddings=true", "train.batch_size=64"], False),  # tied x PP: trained
         "vocab_513": (["model.vocab_size=513", "train.batch_size=64"], True),  # uneven vocab: now proposed
     }
     seen: dict[str, set] = {}
@@ -259,7 +258,7 @@ def test_planner_proposes_only_what_training_runs(tiny_corpus):
     assert (
         {tp for tp, _, _ in seen["moe"]} == {1, 2} and (1, 2, 1) in seen["moe"] and (2, 1, 1) in seen["moe"]
     )
-    assert {pp for _, pp, _ in seen["tied"]} == {1} and (2, 1, 1) in seen["tied"]
+    assert {pp for _, pp, _ in seen["tied"]} == {1, 2} and (2, 1, 1) in seen["tied"]  # tied x PP: trained
     assert (2, 1, 1) in seen["vocab_513"]  # compile with TP: a warning, so TP 2 is proposed too
     # the refused layouts really are refused (the filter is not vacuous)
     over = [*MOE, "parallel.tensor_parallel=2", "parallel.expert_parallel=8", "parallel.zero_stage=3"]
@@ -283,7 +282,7 @@ print(json.dumps({"problems": problems, "no_model": [p.rule for p in f.layout_pr
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     got = json.loads(out)
     assert got["torch"] is False
-    assert got["problems"][:3] == [["tp_seq", True], ["tp_vocab", False], ["pp_tied_embeddings", True]]
+    assert got["problems"] == [["tp_seq", True], ["tp_vocab", False]]  # (tied x PP trains: issue 28)
     assert got["no_model"] == ["dp_derive"]  # 6 processes for tp 2 x pp 2
 
 

@@ -154,13 +154,13 @@ def test_bad_pipeline_layouts_are_config_errors(parallel, world, needle, tiny_co
     assert needle in str(e.value), str(e.value)
 
 
-def test_tied_embeddings_are_config_errors(tiny_corpus):
-    """(Context parallel under PP trains: tests/test_compose.py.)"""
+def test_tied_embeddings_validate(tiny_corpus):
+    """Tied embeddings under PP train (parity: tests/test_compose_rules.py); context parallel under PP too
+    (tests/test_compose.py)."""
     cfg = pp_base(tiny_corpus, "llama3")
     cfg["model"]["tie_word_embeddings"] = True
     cfg["parallel"] = dict(PP)
-    with pytest.raises(ConfigError, match="tied input/output embeddings"):
-        validate(config_from_dict(cfg), world_size=2)
+    validate(config_from_dict(cfg), world_size=2)
 
 
 def test_even_and_uneven_split_names(tiny_corpus):

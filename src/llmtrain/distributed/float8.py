@@ -21,8 +21,12 @@ whole sequence (the amax reduced over CP), as one process computes them.
 Where it runs (:func:`config_problem`, :func:`device_problem`; ``resolve.validate`` asks both before a run,
 ``apply_float8`` once more on the device it builds on): CUDA devices with FP8 tensor cores, compute capability
 >= 8.9 for tensorwise (L4, L40S, H100, H200, B200) and >= 9.0 for rowwise (torch's row-wise scaled GEMM; H100
-and newer). Refused with a ConfigError: CPU, Ascend NPU, older GPUs, and tensor parallel (torchao's fp8 TP
-styles are not wired into the TP plans and plain TP over ``Float8Linear`` is not verified). It pays off with
+and newer). Refused with a ConfigError: CPU, Ascend NPU, older GPUs. Under tensor parallel the TP plans shard
+the ``Float8Linear`` layers as plain linear layers: their weights and activations are DTensors, so each
+amax (tensor-wise or row-wise) is reduced over the TP ranks and the scales are the one-process scales
+(tests/test_compose_rules.py: step 1 equals one process); the activations are all-gathered in high precision
+(torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` would all-gather them in fp8: not wired in). It
+pays off with
 ``train.compile`` (the casts fuse into the neighbouring kernels; eager fp8 is slower than bf16) and
 ``train.precision: bf16``.
 
@@ -47,7 +51,8 @@ EMULATE = False
 
 
 def config_problem(cfg: Config) -> str | None:
-    """Why ``train.fp8`` cannot run with this config, from the config alone (no torch), or None."""
+    """Why ``train.fp8`` cannot run with this config, from the config alone (no torch), or None (any parallel
+    layout trains: tensor parallel since issue 28)."""
     recipe, target = cfg.train.fp8, cfg.run.device_target
     if recipe == "none":
         return None
@@ -57,12 +62,6 @@ def config_problem(cfg: Config) -> str | None:
             f"train.fp8 {recipe} needs a CUDA GPU with FP8 tensor cores (compute capability >= "
             f"{_cap(recipe)}: H100, H200, B200, L40S), but run.device_target is {target} ({where} has no fp8 "
             f"training GEMMs in torchao); set train.fp8: none, or run.device_target: cuda on such a GPU."
-        )
-    if cfg.parallel.tensor_parallel > 1:
-        return (
-            f"train.fp8 {recipe} with parallel.tensor_parallel {cfg.parallel.tensor_parallel} is not supported: "
-            f"the TP plans shard plain linear layers and fp8 under tensor parallel is not verified; use FSDP/HSDP "
-            f"(parallel.zero_stage, data_parallel_replicate) for fp8 runs, or set train.fp8: none."
         )
     return None
 

@@ -173,7 +173,9 @@ def parallelize(
     (its gradient reduction then averages over the data-parallel ranks)."""
     require_feasible(cfg, dims.world_size, model.args)  # validation already refused the others
     model.attention_impl = cfg.model.attention  # sdpa | flex | auto, per forward (models/common/flex.py)
-    fsdp = dims.dp > 1 or dims.cp > 1  # CP ranks' gradients are reduced by FSDP over dp_shard x cp
+    # CP ranks' gradients are reduced by FSDP over dp_shard x cp; with parallel.cpu_offload and dp x cp 1 (TP
+    # or PP alone) FSDP wraps over a 1-rank data-parallel mesh: its offload policy is what offloads.
+    fsdp = dims.dp > 1 or dims.cp > 1 or (cfg.parallel.cpu_offload and world is not None)
     if cfg.train.fp8 != "none":  # module swap first: TP, recompute, compile and FSDP see Float8Linear
         from llmtrain.distributed.float8 import apply_float8
 

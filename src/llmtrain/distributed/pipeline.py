@@ -23,8 +23,8 @@ checkpoints, host snapshots, fault drills) keeps seeing *one* module per rank:
    exactly the single-process ones. The summed CE of the last stage is all-reduced over the pp group, so every
    rank returns the same loss; the grad norm is reduced over the pp group by ``precision.grad_norm_``.
 
-Which pipeline layouts are legal (schedule vs virtual stages, micro-batch counts, the layer split, tied
-embeddings, compile with zero-bubble schedules) is decided by :mod:`llmtrain.feasibility` only; the runner
+Which pipeline layouts are legal (schedule vs virtual stages, micro-batch counts, the layer split, compile
+with zero-bubble schedules) is decided by :mod:`llmtrain.feasibility` only; the runner
 asserts it with the same function before building.
 
 Context parallel (``parallel.context_parallel > 1``, distributed/context_parallel.py) composes: the runner feeds
@@ -36,6 +36,9 @@ micro-batch (the local ``position_ids`` and the global ``document_ids [b, T]``),
 forward; backward needs none (the additive mask is in the micro-batch's autograd graph). The rank model
 carries the CP object too, for the train step's loss sum and gradient scale.
 
+Tied input / output embeddings (``model.tie_word_embeddings``): the last stage's head holds a copy of the
+first stage's embedding, gradients summed and the two kept equal (:class:`TiedEmbedding`).
+
 MoE blocks (expert counts for the aux-loss-free bias, the aux-loss gradient scale) are accounted per pipeline
 micro-batch by ``models/common/moe.PipelineMoEStats``, hooked on the stage modules.
 
@@ -46,12 +49,15 @@ receives only its sequence slice ``[B, T / tp, dim]`` and could not infer the fu
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from llmtrain.config.schema import Config, ParallelConfig
 from llmtrain.distributed import context_parallel
@@ -113,6 +119,10 @@ def split_model(
     kept = {k for s in stages for k in keys_of[s]}
     for key in [k for k in model.layers if k not in kept]:
         del model.layers[key]
+    if model.args.tie_word_embeddings and n_chunks - 1 in stages:  # the head's own copy (TiedEmbedding)
+        assert model.output is not None
+        model.pipeline_untied = True
+        model.output.weight = nn.Parameter(torch.empty_like(model.output.weight))
     if 0 not in stages:
         model.tok_embeddings = None
     if n_chunks - 1 not in stages:
@@ -184,6 +194,7 @@ class PipelineRunner:
         stages = self.stages[0] if name in SINGLE_STAGE else self.stages
         self.schedule = schedule_cls(stages, n_microbatches=self.n_mb, loss_fn=self._loss, scale_grads=False)
         self.moe = PipelineMoEStats(self.parts) if moe_layers(self.model) else None
+        self.tied = TiedEmbedding(self.model, meshes["world"], self.owner[0], self.owner[n_chunks - 1])
         self.cp = context_parallel.find(self.parts[0])  # context parallel: one per stage module
         if self.cp is not None:
             setattr(self.model, "context_parallel", self.cp)  # noqa: B010  (the step's loss sum, grad scale)
@@ -259,6 +270,7 @@ class PipelineRunner:
             self.moe.before_step(self.model, tokens_per_mb * scale)
         with autocast(self.cfg.train.precision, self.device.type):
             self.schedule.step(*args, target=labels, return_outputs=False, **kwargs)
+        self.tied.after_backward()
         if self.moe is not None:
             self.moe.after_step(self.model, self.n_mb, tokens_per_mb)
         self._state = _StepState()
@@ -336,3 +348,101 @@ class PipelineRunner:
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP / TP), the tensor itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class TiedEmbedding:
+    """Tied input / output embeddings under pipeline parallel, as Megatron shares the word embedding.
+
+    The first stage owns ``tok_embeddings.weight``; the last stage's head ``output.weight`` is a copy of it
+    (:func:`split_model` gives it its own parameter; ``init_weights`` draws it from the embedding's generator,
+    so both start equal). Both are sharded alike by FSDP / TP (the TP plans shard both over the vocabulary),
+    so their local shards match element for element across the pipeline ranks that hold them:
+
+    * after the backward (:meth:`after_backward`) the copy's gradient is summed into the embedding's (a reduce
+      over the two ranks, a local add when one rank holds both, as ZBV's rank 0 does) and the copy's is
+      dropped: the grad norm and clipping then see the tied weight once, as on one process;
+    * right before each optimizer step (a global optimizer pre-step hook, :meth:`before_step`) the copy gets
+      the embedding's final (unscaled, clipped) gradient, so the two identical optimizer updates keep the
+      weights equal; the checkpoint holds both (equal) and loads on one process, where they are one tensor.
+    """
+
+    def __init__(self, model: Transformer, world: object, first: int, last: int) -> None:
+        self.model = model
+        self.tied = model.args.tie_word_embeddings
+        self.group: dist.ProcessGroup | None = None
+        self.src = -1
+        if not self.tied:
+            return
+        if first != last:  # one group per pipeline (every rank creates all of them, in the same order)
+            mesh = cast(Any, world)
+            dim = mesh.mesh_dim_names.index("pp")
+            ranks = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.mesh.shape[dim])
+            me = dist.get_rank()
+            for row in ranks.tolist():
+                group = dist.new_group([row[first], row[last]])
+                if me in (row[first], row[last]):
+                    self.group, self.src = group, row[first]
+        if model.tok_embeddings is not None or model.output is not None:
+            ref = weakref.ref(self)
+            hook = register_optimizer_step_pre_hook(
+                lambda opt, args, kwargs: TiedEmbedding._pre_step(ref, opt)
+            )
+            weakref.finalize(self, hook.remove)  # (global hooks: gone with this runner)
+
+    @property
+    def emb(self) -> nn.Parameter | None:
+        """The embedding on this rank (looked up each time: ``to_empty`` replaces the meta parameters)."""
+        emb = self.model.tok_embeddings
+        return cast(nn.Parameter, emb.weight) if self.tied and emb is not None else None
+
+    @property
+    def copy(self) -> nn.Parameter | None:
+        """The head's copy of the embedding on this rank."""
+        out = self.model.output
+        return cast(nn.Parameter, out.weight) if self.tied and out is not None else None
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """Sum the copy's gradient into the embedding's; drop the copy's."""
+        if self.emb is None and self.copy is None:
+            return
+        if self.emb is not None and self.copy is not None:  # one rank holds both stages
+            if self.copy.grad is not None:
+                self.emb.grad = self.copy.grad if self.emb.grad is None else self.emb.grad + self.copy.grad
+            self.copy.grad = None
+            return
+        param = cast(nn.Parameter, self.emb if self.emb is not None else self.copy)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.reduce(_local(param.grad), self.src, group=self.group)
+        if self.copy is not None:
+            self.copy.grad = None
+
+    @staticmethod
+    def _pre_step(ref: weakref.ref, optimizer: torch.optim.Optimizer) -> None:
+        tied = ref()
+        if tied is None:
+            return
+        mine = tied.copy if tied.copy is not None else tied.emb
+        if any(p is mine for group in optimizer.param_groups for p in group["params"]):
+            tied.before_step()
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        """The embedding's gradient, as the optimizer will use it, handed to the copy."""
+        if self.emb is not None and self.emb.grad is None:
+            self.emb.grad = torch.zeros_like(self.emb)
+        if self.emb is not None and self.copy is not None:
+            self.copy.grad = cast(torch.Tensor, self.emb.grad).clone()
+            return
+        if self.copy is not None:
+            self.copy.grad = torch.zeros_like(self.copy)
+        param = cast(nn.Parameter, self.emb if self.emb is not None else self.copy)
+        dist.broadcast(_local(cast(torch.Tensor, param.grad)), self.src, group=self.group)

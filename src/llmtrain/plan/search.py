@@ -29,7 +29,7 @@ step-time breakdown and the memory headroom. Every candidate keeps the configure
 (:class:`~llmtrain.plan.layout.Layout`), ``parallel.reduce_grads`` and precision; ``pipeline_layers`` is
 dropped (it only fits the configured degrees), so candidates use an even split. ``train.fp8``,
 ``train.loss_chunk_tokens`` and ``model.document_mask`` are kept too (the trainer's fp8 rule,
-``distributed.float8.config_problem``, also filters: fp8 with tensor parallel is refused).
+``distributed.float8.config_problem``, also filters what fp8 cannot run).
 """
 
 from __future__ import annotations

@@ -119,12 +119,15 @@ class Transformer(nn.Module):
             if args.norm_head
             else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         )
+        self.pipeline_untied = False  # distributed/pipeline.py: the head holds its own copy of the embedding
         self.tie_weights()
         self.attention_impl = "sdpa"  # model.attention (auto, sdpa, flex), set by distributed/parallelize.py
         self.context_parallel: Any = None  # distributed/context_parallel.py sets it: the micro-batch's masks
 
     def tie_weights(self) -> None:
         """Share ``tok_embeddings.weight`` with ``output`` when the args tie them (and both exist here)."""
+        if self.pipeline_untied:  # under PP the head is a copy kept equal by the pipeline runner
+            return
         if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
@@ -202,6 +205,8 @@ class Transformer(nn.Module):
             if param.device.type == "meta":
                 continue
             name = raw_name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            if name == "output.weight" and self.args.tie_word_embeddings:  # a pipeline stage's copy of the
+                name = "tok_embeddings.weight"  # tied embedding starts equal to it
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):

@@ -300,14 +300,50 @@ class CheckpointStore:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
+        own = [list(g["params"]) for g in state["optim"]["param_groups"]] if optimizer is not None else []
+        head_copy = _head_copy_state(model, state)
         load_state(path, state, allow_extra)
+        if head_copy is not None:
+            _restore_head_copy_state(state, *head_copy)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         if optimizer is not None:
+            # The saved groups' parameter lists are one rank's of the saving layout (a pipeline stage's head
+            # copy of a tied embedding, ``output.weight``, would then be asked for state): this layout's own.
+            groups = state["optim"]["param_groups"]
+            if len(groups) == len(own):
+                for group, params in zip(groups, own):
+                    group["params"] = params
             set_optimizer_state_dict(model, optimizer, state["optim"])
         rng_file = layout.rng_file(path, rank())
         if rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()), self.device_type)
         return json.loads(layout.trainer_state_file(path).read_text())
+
+
+_EMB, _HEAD = "tok_embeddings.weight", "output.weight"
+
+
+def _head_copy_state(model: torch.nn.Module, state: dict) -> tuple[dict, bool] | None:
+    """A pipeline stage's head copy of a tied embedding (``distributed/pipeline.TiedEmbedding``) has the
+    embedding's optimizer state (identical updates), which a one-process checkpoint holds only under the
+    embedding's name: read it from there. Returns (the copy's state, whether this rank holds the embedding)."""
+    optim = state.get("optim", {}).get("state", {})
+    if not getattr(model, "pipeline_untied", False) or _HEAD not in optim:
+        return None
+    head = optim.pop(_HEAD)
+    emb_here = _EMB in optim
+    if not emb_here:
+        optim[_EMB] = head
+    return head, emb_here
+
+
+def _restore_head_copy_state(state: dict, head: dict, emb_here: bool) -> None:
+    optim = state["optim"]["state"]
+    if emb_here:  # (ZBV: one rank holds both) the copy's state equals the embedding's
+        head = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optim[_EMB].items()}
+    else:
+        head = optim.pop(_EMB)
+    optim[_HEAD] = head
 
 
 def save_failure(step: int, tmp: Path, error: BaseException) -> CheckpointError | None:
