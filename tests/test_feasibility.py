@@ -216,9 +216,11 @@ def test_real_train_under_two_gloo_processes(rule, config_file, tmp_path):
     assert proc.returncode != 0
     # every rank that got to print printed the same message; the agent may stop the slower one first (SIGTERM)
     assert proc.stderr.count(f"llmtrain train: error: {message}\n") >= 1, proc.stderr[-3000:]
-    assert proc.stderr.count("llmtrain train: error: ") == proc.stderr.count(
-        f"llmtrain train: error: {message}\n"
-    )
+    # ... and no rank printed another one: each occurrence starts the same message (two ranks writing to the one
+    # pipe at once may interleave, and the agent's SIGTERM may cut the slower rank short)
+    for part in proc.stderr.split("llmtrain train: error: ")[1:]:
+        line = part.split("\n", 1)[0]
+        assert message.startswith(line) or line.startswith(message), (line, message)
     assert "exitcode  : 2" in proc.stderr and "Traceback" not in proc.stderr.split("llmtrain train: error")[0]
 
 

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         OSError,
     ) as e:  # bad input, or a path the system refused: one paragraph, no traceback
         message, code = user_message(e) or (repr(e), 1)
-        print(f"llmtrain {args.command}: error: {message}", file=sys.stderr)
+        sys.stderr.write(f"llmtrain {args.command}: error: {message}\n")  # one write: ranks share a pipe
+        sys.stderr.flush()
         return code
     except KeyboardInterrupt:
         print(f"llmtrain {args.command}: interrupted", file=sys.stderr)

@@ -84,7 +84,8 @@ def _hard_exit(error: BaseException) -> None:
     known = user_message(error)
     if known is not None:
         code = known[1]
-        print(f"llmtrain train: error: {known[0]}", file=sys.stderr)
+        sys.stderr.write(f"llmtrain train: error: {known[0]}\n")  # one write: ranks share a pipe
+        sys.stderr.flush()
     else:
         code = 130 if isinstance(error, KeyboardInterrupt) else 1
         traceback.print_exception(error)
