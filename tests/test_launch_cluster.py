@@ -27,6 +27,7 @@ import yaml
 
 from llmtrain.distributed.env import RankEnv, detect, rank_env, slurm_tasks_on_node
 from llmtrain.errors import ConfigError
+from test_elastic import _descendants  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LLMTRAIN = str(Path(sys.executable).with_name("llmtrain"))
@@ -281,7 +282,7 @@ def test_multinode_two_agents_match_single_process(tiny_corpus, tmp_path, refere
     finally:
         for a in agents:
             if a.poll() is None:
-                for pid in _tree(a.pid):
+                for pid in _descendants(a.pid):
                     try:
                         os.kill(pid, 9)
                     except ProcessLookupError:
@@ -290,23 +291,6 @@ def test_multinode_two_agents_match_single_process(tiny_corpus, tmp_path, refere
     assert codes == [0, 0], text
     assert "--nnodes=2" in text and "--nproc-per-node=2" in text and "world_size=4" in text, text
     close(per_step(out), reference)
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (torchrun's workers run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
 
 
 @pytest.mark.slow
@@ -339,7 +323,7 @@ def test_multinode_losing_an_agent_ends_the_static_job_with_exit_1(tiny_corpus, 
         while not ((out / "metrics.jsonl").is_file() and '"step": 1' in (out / "metrics.jsonl").read_text()):
             assert survivor.poll() is None and time.monotonic() < deadline + 120, "no step 1"
             time.sleep(0.1)
-        for pid in _tree(lost.pid):
+        for pid in _descendants(lost.pid):
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
@@ -350,7 +334,7 @@ def test_multinode_losing_an_agent_ends_the_static_job_with_exit_1(tiny_corpus, 
     finally:
         for p in (survivor, lost):
             if p.poll() is None:
-                for pid in _tree(p.pid):
+                for pid in _descendants(p.pid):
                     try:
                         os.kill(pid, 9)
                     except ProcessLookupError:
