@@ -10,8 +10,9 @@ losses within 1e-5 and grad norms within 1e-3 (relative) of one process. One 2-p
   weight or activation is a DTensor reduction over TP), step 2 within fp8's own sensitivity to last-bit
   differences (``test_compose.close_fp8``: twice the drift a 1e-7 nudge of the initial weights causes).
 
-* ``train.compile`` with the interleaved 1F1B schedule under PP2 (the nearest layout the rule
-  ``pp_compile_zero_bubble`` names: the zero-bubble schedules cannot run compiled blocks on this torch).
+* ``train.compile`` with the interleaved 1F1B schedule under PP2, and with the zero-bubble schedule (the warning
+  ``pp_compile_zero_bubble``: the zero-bubble schedules cannot run compiled blocks on this torch, so the blocks
+  and the loss run eagerly; formerly a refusal).
 
 * ``parallel.cpu_offload`` with TP2 and with PP2 alone (data_parallel x context_parallel 1): FSDP wraps over
   a 1-rank data-parallel mesh for its offload policy (refused before issue 28; one process still is).
@@ -41,9 +42,11 @@ TIED_PP = {
     "tied_pp2_interleaved": {**PP, "schedule": "interleaved_1f1b", "virtual_stages": 2},
     "tied_pp2_zbv": {**PP, "schedule": "zbv", "virtual_stages": 2},
 }
-COMPILE_PP = {  # the nearest layout the pp_compile_zero_bubble message names
+COMPILE_PP = {  # compiled blocks with interleaved 1F1B; with zero bubble the warning's eager blocks
     "pp2_interleaved_compile": {"parallel": TIED_PP["tied_pp2_interleaved"], "train": {"compile": True},
                                 "model": {"tie_word_embeddings": False}},
+    "pp2_zero_bubble_compile": {"parallel": {**PP, "schedule": "zero_bubble", "virtual_stages": 2},
+                                "train": {"compile": True}, "model": {"tie_word_embeddings": False}},
 }  # fmt: skip
 OFFLOAD = {  # parallel.cpu_offload with data_parallel x context_parallel 1: FSDP over a 1-rank mesh
     "tp2_cpu_offload": {"parallel": {"tensor_parallel": 2, "cpu_offload": True}},

@@ -54,12 +54,10 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "pp_1f1b_microbatches": (2, [*PP2, "train.micro_batch_size=8"]),
     "pp_rounds": (2, [*PP2, "parallel.schedule=zero_bubble", "parallel.virtual_stages=2", "parallel.micro_batch_num=5"]),
     "pp_batch_split": (4, [*PP2, "parallel.micro_batch_num=3"]),
-    "pp_compile_zero_bubble": (2, [*PP2, "parallel.schedule=zero_bubble", "parallel.virtual_stages=2", "train.compile=true"]),
     "pp_even_split": (2, [*PP2, "model.num_layers=6", "parallel.schedule=zbv", "parallel.virtual_stages=2"]),
     "pipeline_layers_shape": (2, [*PP2, "parallel.pipeline_layers=[1, 2]"]),
     "pipeline_layers_entries": (2, [*PP2, "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
                                     "parallel.pipeline_layers=[2, 0, 1, 1]"]),
-    "cpu_offload_without_dp": (1, ["parallel.cpu_offload=true"]),
 }  # fmt: skip
 # the texts that pin each message to its numbers (the rest of the paragraph is checked by equality)
 NEEDLES = {
@@ -118,7 +116,7 @@ def check_cli(capsys, path: Path, overrides: list[str], world: int) -> tuple[int
 
 def test_every_fatal_rule_has_a_case():
     assert set(CASES) == set(FATAL_RULES)
-    assert len(FATAL_RULES) == 27 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
+    assert len(FATAL_RULES) == 25 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
 
 
 # Degrees out of range are refused as the file is read (config/ranges.py), before any layout rule: the rule
@@ -166,6 +164,9 @@ def test_check_and_train_give_the_same_refusal(rule, config_file, capsys, monkey
     [  # the two former disagreements, now warnings everywhere (training runs them)
         ("tp_vocab", 2, ["parallel.tensor_parallel=2", "model.vocab_size=513"], "vocabulary 513 is not divisible"),
         ("tp_compile", 2, ["parallel.tensor_parallel=2", "train.compile=true"], "train.compile is ignored"),
+        ("pp_compile_zero_bubble", 2, [*PP2, "parallel.micro_batch_num=4",
+                                       "parallel.schedule=zero_bubble", "parallel.virtual_stages=2",
+                                       "train.compile=true"], "train.compile is ignored with parallel.schedule"),
     ],
 )  # fmt: skip
 def test_warnings_are_warnings_in_check_and_train(rule, world, overrides, needle, config_file, capsys):
@@ -186,7 +187,6 @@ def test_builders_assert_with_the_same_message(config_file):
 
     for rule, runner in (
         ("ep_experts", False),
-        ("cpu_offload_without_dp", False),
         ("pp_1f1b_microbatches", True),
     ):
         world, overrides = CASES[rule]

@@ -152,3 +152,41 @@ def test_generate_cli_is_deterministic(tiny_corpus, tmp_path, capsys):
     )
     assert capsys.readouterr().out == first
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+
+
+def test_cpu_offload_on_one_process(tiny_corpus, tmp_path):
+    """parallel.cpu_offload on one process: FSDP2's offload policy over a one-rank group and mesh. The losses
+    are the plain run's (a one-rank reduce-scatter is a copy: every step within float32 rounding), and its
+    step-3 checkpoint resumes in a plain one-process run with the uninterrupted run's next losses."""
+    import torch.distributed as dist
+
+    def cfg(out: Path, offload: bool, resume: str = "auto"):
+        c = config_from_dict(tiny_config(tiny_corpus, out, max_steps=6, eval_steps=0))
+        c.parallel.cpu_offload = offload
+        c.checkpoint.save_steps = 3
+        c.checkpoint.resume = resume
+        c.logging.tensorboard = c.logging.plot = False
+        return c
+
+    Trainer(cfg(tmp_path / "plain", False)).fit()
+    try:
+        off = Trainer(cfg(tmp_path / "offload", True))
+        off.fit()
+        assert dist.is_initialized() and dist.get_world_size() == 1  # the one-rank group FSDP wrapped over
+        assert off.fsdp
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    plain, offload = train_losses(tmp_path / "plain"), train_losses(tmp_path / "offload")
+    assert sorted(offload) == list(range(1, 7))
+    for step in plain:
+        assert offload[step] == pytest.approx(plain[step], rel=0, abs=1e-5), step
+    # the offload run's step-3 checkpoint, resumed without offload, continues like the uninterrupted run
+    resumed_dir = tmp_path / "resumed"
+    c = cfg(resumed_dir, False, resume=str(tmp_path / "offload" / "checkpoints" / "step_00000003"))
+    resumed = Trainer(c)
+    assert resumed.step == 3
+    resumed.fit()
+    got = train_losses(resumed_dir)
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(plain[step], rel=0, abs=1e-5), step

@@ -78,14 +78,13 @@ RULES: dict[str, Rule] = {
     "pp_1f1b_microbatches": Rule(_F, "schedule", _P + "micro_batch_num"),  # 1f1b, pipeline micro-batches < pp
     "pp_rounds": Rule(_F, "schedule", _P + "micro_batch_num"),             # interleaved: not whole rounds
     "pp_batch_split": Rule(_F, "schedule", "train.batch_size"),            # batch % (dp x micro-batches)
-    "pp_compile_zero_bubble": Rule(_F, "unsupported", "train.compile"),    # compile with zero_bubble / zbv
+    "pp_compile_zero_bubble": Rule(_W, "advice", "train.compile"),         # compile with zero_bubble: eager
     "pp_even_split": Rule(_F, "schedule", _P + "pipeline_layers"),         # num_layers % (pp x v), no list
     "pipeline_layers_shape": Rule(_F, "schedule", _P + "pipeline_layers"), # wrong count or sum
     "pipeline_layers_entries": Rule(_F, "schedule", _P + "pipeline_layers"),  # negative / empty middle
     "pp_bubble": Rule(_W, "advice", _P + "micro_batch_num"),               # micro-batches < pp (not 1f1b)
     "pp_microbatch_size": Rule(_W, "advice", "train.micro_batch_size"),    # pipeline micro-batch != it
     "pp_zero3": Rule(_W, "advice", _P + "zero_stage"),                     # ZeRO 3 under pp runs as 2
-    "cpu_offload_without_dp": Rule(_F, "unsupported", _P + "cpu_offload"), # offload on one process
     "zero_without_dp": Rule(_W, "advice", _P + "zero_stage"),              # ZeRO > 0 with dp 1
     "zero1_as_zero2": Rule(_W, "advice", _P + "zero_stage"),               # ZeRO 1 runs as 2 on FSDP2
 }
@@ -303,15 +302,6 @@ def layout_problems(cfg: Config, world_size: int, model: ModelShape | None = Non
         out.add("alltoall_without_ep", msg)
     _pipeline(out, cfg, model, dims.pp, dp)
     zero = p.effective_zero_stage()
-    if p.cpu_offload and world_size == 1:
-        out.add(
-            "cpu_offload_without_dp",
-            "parallel.cpu_offload on one process cannot run: it is FSDP2's offload policy, and FSDP needs a "
-            "process group and device mesh to wrap the model over, which a one-process run does not create. "
-            "Nearest layouts that train: 2 processes with data_parallel 2 (zero_stage 3), or any multi-process "
-            "layout (tensor_parallel 2 or pipeline_parallel 2 alone wrap FSDP over a 1-rank data-parallel mesh "
-            "for the offload); or parallel.cpu_offload: false.",
-        )
     if zero > 0 and dp == 1:
         out.add("zero_without_dp", f"ZeRO stage {zero} has no effect with a data-parallel size of 1.")
     elif zero == 1:
@@ -413,13 +403,13 @@ def _pipeline(out: _Found, cfg: Config, m: ModelShape | None, pp: int, dp: int) 
     if cfg.train.compile and name in ZERO_BUBBLE_SCHEDULES:
         out.add(
             "pp_compile_zero_bubble",
-            f"train.compile with parallel.schedule {name} cannot run on this torch: the zero-bubble schedules "
-            "split each stage's backward into an input-gradient pass that keeps the graph (retain_graph) and a "
-            "later weight-gradient pass, and a compiled block's backward is one fused node that refuses to keep "
-            "its graph (torch refuses compiled stage modules for these schedules; past that check the first "
-            "backward fails: 'compiled with non-empty donated buffers which requires retain_graph=False'). "
-            "Nearest layouts that train: parallel.schedule: interleaved_1f1b with train.compile: true (same "
-            f"pipeline_parallel {pp} and virtual_stages), or parallel.schedule: {name} with train.compile: false.",
+            f"train.compile is ignored with parallel.schedule {name}: the zero-bubble schedules split each "
+            "stage's backward into an input-gradient pass that keeps the graph and a later weight-gradient "
+            "pass, and a compiled block's backward is one fused node that cannot be split (torch refuses "
+            "compiled stage modules for these schedules; measured on torch 2.13, docs/parallelism.md), so the "
+            "blocks and the loss run eagerly (correct, without kernel fusion). Set train.compile: false to "
+            f"say so, or parallel.schedule: interleaved_1f1b (same pipeline_parallel {pp} and virtual_stages) "
+            "to compile.",
         )
     if m is not None and m.num_layers >= pp * v:  # (too few layers: pp_layers_min has said it)
         out.extend(pipeline_split_problems(m.num_layers, p))

@@ -68,6 +68,24 @@ def init_distributed(device_type: str, timeout_s: int) -> int:
     return world_size
 
 
+def init_local_group(device_type: str, timeout_s: int) -> None:
+    """Join a one-rank process group (an in-memory store, no launcher) unless a group exists already.
+
+    FSDP2 wraps a model over a device mesh, and a mesh needs a process group; ``parallel.cpu_offload`` is FSDP2's
+    offload policy, so a one-process run that offloads runs FSDP over this one-rank group (every collective is
+    a local copy). The group lives as long as the process, as torchrun's does: ``shutdown_distributed`` ends it.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=BACKENDS[device_type], store=store, rank=0, world_size=1, timeout=timeout)
+
+
 def shutdown_distributed(barrier: bool) -> None:
     """Leave every process group before the interpreter shuts down (see docs/reliability.md, "Ending a run").
 

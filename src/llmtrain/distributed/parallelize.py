@@ -65,7 +65,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from llmtrain.config.schema import Config
 from llmtrain.distributed.parallel_dims import ParallelDims
 from llmtrain.errors import ConfigError
-from llmtrain.feasibility import require_feasible
+from llmtrain.feasibility import ZERO_BUBBLE_SCHEDULES, require_feasible
 from llmtrain.models import Transformer, get_family
 
 if TYPE_CHECKING:
@@ -162,8 +162,10 @@ def dp_mesh_for(dims: ParallelDims, world: DeviceMesh, zero_stage: int) -> Devic
 
 
 def compiles(cfg: Config, dims: ParallelDims) -> bool:
-    """Whether ``train.compile`` is carried out: the blocks and the loss (train/loss.py); not with TP."""
-    return bool(cfg.train.compile) and dims.tp == 1
+    """Whether ``train.compile`` is carried out: the blocks and the loss (train/loss.py); not with TP, nor with
+    the zero-bubble pipeline schedules (feasibility warnings ``tp_compile``, ``pp_compile_zero_bubble``)."""
+    zero_bubble = dims.pp > 1 and cfg.parallel.schedule in ZERO_BUBBLE_SCHEDULES
+    return bool(cfg.train.compile) and dims.tp == 1 and not zero_bubble
 
 
 def parallelize(

@@ -49,7 +49,6 @@ receives only its sequence slice ``[B, T / tp, dim]`` and could not infer the fu
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -57,7 +56,6 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from llmtrain.config.schema import Config, ParallelConfig
 from llmtrain.distributed import context_parallel
@@ -276,6 +274,12 @@ class PipelineRunner:
         self._state = _StepState()
         return self._reduce(recorded)
 
+    def before_optimizer_step(self) -> None:
+        """Called by train/step.py after clipping, right before the optimizer step: the tied head's copy of the
+        embedding gets the embedding's final gradient (:class:`TiedEmbedding`; nothing when untied)."""
+        if self.tied.tied and (self.tied.emb is not None or self.tied.copy is not None):
+            self.tied.before_step()
+
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Summed token CE of the micro-batches, forward only, same on every pp rank.
@@ -368,8 +372,8 @@ class TiedEmbedding:
     * after the backward (:meth:`after_backward`) the copy's gradient is summed into the embedding's (a reduce
       over the two ranks, a local add when one rank holds both, as ZBV's rank 0 does) and the copy's is
       dropped: the grad norm and clipping then see the tied weight once, as on one process;
-    * right before each optimizer step (a global optimizer pre-step hook, :meth:`before_step`) the copy gets
-      the embedding's final (unscaled, clipped) gradient, so the two identical optimizer updates keep the
+    * right before each optimizer step (:meth:`before_step`, called by ``PipelineRunner.before_optimizer_step``
+      from train/step.py after clipping) the copy gets the embedding's final (unscaled, clipped) gradient, so the two identical optimizer updates keep the
       weights equal; the checkpoint holds both (equal) and loads on one process, where they are one tensor.
     """
 
@@ -389,12 +393,6 @@ class TiedEmbedding:
                 group = dist.new_group([row[first], row[last]])
                 if me in (row[first], row[last]):
                     self.group, self.src = group, row[first]
-        if model.tok_embeddings is not None or model.output is not None:
-            ref = weakref.ref(self)
-            hook = register_optimizer_step_pre_hook(
-                lambda opt, args, kwargs: TiedEmbedding._pre_step(ref, opt)
-            )
-            weakref.finalize(self, hook.remove)  # (global hooks: gone with this runner)
 
     @property
     def emb(self) -> nn.Parameter | None:
@@ -424,15 +422,6 @@ class TiedEmbedding:
         dist.reduce(_local(param.grad), self.src, group=self.group)
         if self.copy is not None:
             self.copy.grad = None
-
-    @staticmethod
-    def _pre_step(ref: weakref.ref, optimizer: torch.optim.Optimizer) -> None:
-        tied = ref()
-        if tied is None:
-            return
-        mine = tied.copy if tied.copy is not None else tied.emb
-        if any(p is mine for group in optimizer.param_groups for p in group["params"]):
-            tied.before_step()
 
     @torch.no_grad()
     def before_step(self) -> None:

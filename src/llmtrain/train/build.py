@@ -26,7 +26,7 @@ import torch.distributed as dist
 from llmtrain.config.schema import Config
 from llmtrain.data.describe import DatasetInfo, describe_dataset
 from llmtrain.data.loader import BatchIterator, build_datasets
-from llmtrain.distributed.device import init_distributed, resolve_device
+from llmtrain.distributed.device import init_distributed, init_local_group, resolve_device
 from llmtrain.distributed.parallelize import compiles, parallelize
 from llmtrain.models import Transformer, build_model
 from llmtrain.models.common.moe import MoEStepStats
@@ -116,7 +116,10 @@ def _build_parts(
     # Layout: one mesh per parallel dimension; this rank's data-parallel slice.
     dims = d.dims
     assert dims is not None  # derive() always sets it
-    meshes = dims.build_meshes(device.type) if world_size > 1 else None
+    local_mesh = world_size == 1 and cfg.parallel.cpu_offload  # FSDP's offload policy needs a (1-rank) mesh
+    if local_mesh:
+        init_local_group(device.type, cfg.run.dist_timeout_s)
+    meshes = dims.build_meshes(device.type) if world_size > 1 or local_mesh else None
     dp_group = meshes["dp"].get_group() if meshes and dims.dp > 1 else None
     dp_rank = meshes["dp"].get_local_rank() if meshes and dp_group is not None else 0
 

@@ -149,6 +149,8 @@ class TrainStep:
                 grad_norm = grad_norm_(params, cfg.train.grad_clip_norm, pp_group)
             skipped = self.scaler.update(grad_norm)
             if not skipped:
+                if self.pipeline is not None:  # tied embeddings: the head's copy takes the final gradient
+                    self.pipeline.before_optimizer_step()
                 self.optimizer.step()
                 float8.after_optimizer_step(self.model, cfg.train.fp8)
             self.optimizer.zero_grad(set_to_none=True)
