@@ -70,7 +70,9 @@ def test_rotation_and_uncommitted_dirs(tmp_path):
     (ck.dir / "step_00000009.tmp").mkdir()
     (ck.dir / "step_00000010").mkdir()
     assert ck.resume_path().name == "step_00000003"
-    assert Checkpointer(CheckpointConfig(resume="none"), tmp_path).resume_path() is None
+    with pytest.raises(CheckpointError, match="holds 2 committed checkpoint"):  # starting over needs the word
+        Checkpointer(CheckpointConfig(resume="none"), tmp_path).resume_path()
+    assert Checkpointer(CheckpointConfig(resume="none", overwrite=True), tmp_path).resume_path() is None
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
         Checkpointer(CheckpointConfig(resume=str(ck.dir / "step_00000010")), tmp_path).resume_path()
 
@@ -399,5 +401,5 @@ def test_every_checkpoint_invalid_is_an_error_not_a_fresh_start(tmp_path):
         assert f"step_0000000{step}: " in str(e.value) and "SHA-256" in str(e.value)
     assert "checkpoint.resume: none" in str(e.value)
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
-    none = Checkpointer(CheckpointConfig(keep_checkpoint_max=3, resume="none"), tmp_path)
+    none = Checkpointer(CheckpointConfig(keep_checkpoint_max=3, resume="none", overwrite=True), tmp_path)
     assert none.select_resume().path is None  # the explicit way to start over

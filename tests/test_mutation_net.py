@@ -196,3 +196,145 @@ def test_checkpoint_mutations(two_checkpoints, tmp_path, capfd):
                 verify_checkpoint(resaved) is None
                 and {p.name: p.read_bytes() for p in resaved.iterdir()} != before
             )
+
+
+# ----------------------------------------------------------------------------- issue 34: the commands' other inputs
+def _one_paragraph(name: str, code: int, err: str) -> None:
+    assert "Traceback" not in err, (name, err[-3000:])
+    assert code in (0, 2), (name, code, err[-2000:])
+    if code == 2:
+        assert err.count("error:") == 1, (name, err)  # one message (argparse prints its usage lines first)
+
+
+def _cli(argv: list[str], capfd) -> tuple[int, str]:
+    try:
+        code = cli(argv)
+    except SystemExit as e:  # argparse's refusals: exit 2 with the flag
+        code = int(e.code or 0)
+    return code, capfd.readouterr().err
+
+
+def test_task_file_mutations(two_checkpoints, tmp_path, capfd):
+    """Every key of the shipped multiple-choice task (and of its dataset_kwargs) dropped or set to each bad
+    value: reading it for lm-eval (our loader and shape checks, then lm-eval's loader) gives a task config or
+    one ConfigError naming the file; a seeded sample of the accepted ones is built by lm-eval (tasks, or the
+    same ConfigError), and a seeded sample of all is scored by `llmtrain eval` (exit 0 or 2, one message)."""
+    from llmtrain.errors import ConfigError
+    from llmtrain.eval.run import build_tasks, import_lm_eval
+    from llmtrain.eval.tasks import shipped_dir, task_configs
+
+    import_lm_eval()
+    base = yaml.safe_load((shipped_dir() / "stdlib_mc.yaml").read_text())
+    base["dataset_kwargs"]["data_files"]["test"] = str(shipped_dir() / "stdlib_mc.jsonl")
+    cases = [(n, c) for n, c in _mutations(base) if not n.startswith("metadata")]
+    assert len(cases) > 80
+    files, accepted = [], []
+    for i, (name, cfg) in enumerate(cases):
+        path = tmp_path / f"t{i}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        files.append((name, path))
+        try:
+            task_configs([str(path)])
+            accepted.append((name, path))
+        except ConfigError as e:
+            assert path.name in str(e), (name, str(e))
+    rng = random.Random(SEED)
+    for name, path in rng.sample(accepted, 10):  # lm-eval's task builder: ~0.2 s a task
+        try:
+            build_tasks([str(path)])
+        except ConfigError as e:
+            assert path.name in str(e), (name, str(e))
+    for name, path in rng.sample(files, 4):
+        code, err = _cli(["eval", str(two_checkpoints), "--tasks", str(path), "--limit", "1"], capfd)
+        _one_paragraph(name, code, err)
+
+
+CATALOG_DEVICE = {"peak_tflops": 100.0, "memory_gib": 80, "memory_bw_gbs": 2000, "intra_node_bw_gbs": 300,
+                  "inter_node_bw_gbs": 25, "devices_per_node": 8, "matmul_efficiency": 0.6}  # fmt: skip
+
+
+def test_device_catalog_mutations(two_checkpoints, tmp_path, capfd):
+    """Every figure of a user's catalog device dropped or set to each bad value (and NaN, infinity, a bool, a
+    number written as text), and the file's bytes damaged: the catalog loads or is refused with one
+    ConfigError naming the file; a seeded sample plans through `llmtrain plan --catalog` (exit 0 or 2)."""
+    from llmtrain.errors import ConfigError
+    from llmtrain.plan.catalog import load_catalog
+
+    base = {"devices": {"mine": CATALOG_DEVICE}, "aliases": {"m1": "mine"}}
+    cases = _mutations(base)
+    for key in CATALOG_DEVICE:
+        for value in (float("nan"), float("inf"), True, "100"):
+            cases.append((f"{key}={value!r}", {**base, "devices": {"mine": {**CATALOG_DEVICE, key: value}}}))
+    paths = []
+    for i, (name, cfg) in enumerate(cases):
+        path = tmp_path / f"c{i}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        paths.append((name, path))
+    text = tmp_path / "whole.yaml"
+    text.write_text(yaml.safe_dump(base))
+    for how in DATASET_DAMAGE:
+        path = tmp_path / f"damaged-{how}.yaml"
+        shutil.copy(text, path)
+        _damage(path, how)
+        paths.append((f"bytes {how}", path))
+    for name, path in paths:
+        before = path.read_bytes()
+        try:
+            load_catalog(path)
+        except ConfigError as e:
+            assert path.name in str(e), (name, str(e))
+        assert path.read_bytes() == before
+    cfg = str(two_checkpoints / "config.yaml")
+    for name, path in random.Random(SEED).sample(paths, 4):
+        code, err = _cli(["plan", cfg, "--cluster", "1xmine", "--catalog", str(path)], capfd)
+        _one_paragraph(name, code, err)
+
+
+FLAG_VALUES = ["-1", "0", "0.5", "1e400", "nan", "inf", "", "x", "99999999999999999999999"]
+LAUNCH_FLAGS = ["--nproc-per-node", "--nnodes", "--node-rank", "--master-port", "--max-restarts",
+                "--connect-timeout", "--run-id", "--rdzv-conf", "--master-addr"]  # fmt: skip
+GENERATE_FLAGS = ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--prompt"]
+MERGE_FLAGS = ["--seq-length", "--num-shards", "--pack"]
+
+
+def test_command_flag_mutations(two_checkpoints, tiny_corpus, tmp_path, capfd):
+    """launch (dry run), generate, export and merge with each flag set to each odd value: exit 0 or 2 with one
+    message, never a traceback; what the user owns (the run, the partitions) byte-identical."""
+    import glob
+    import sysconfig
+
+    rng = random.Random(SEED)
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    owned = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    cfg = str(run / "config.yaml")
+    for flag in LAUNCH_FLAGS:
+        for value in FLAG_VALUES:
+            code, err = _cli(["launch", cfg, "--nproc-per-node", "1", flag, value, "--dry-run"], capfd)
+            _one_paragraph(f"launch {flag} {value!r}", code, err)
+    for flag in GENERATE_FLAGS:
+        for value in rng.sample(FLAG_VALUES, 4):
+            argv = ["generate", str(run), "--prompt", "def", "--max-new-tokens", "2", flag, value]
+            code, err = _cli(argv, capfd)
+            _one_paragraph(f"generate {flag} {value!r}", code, err)
+    for i, value in enumerate([*FLAG_VALUES, "-inf", "1e-300"]):
+        code, err = _cli(["export", str(run), "--to", "hf", str(tmp_path / f"hf{i}"), "--max-shard-gb", value],
+                         capfd)  # fmt: skip
+        _one_paragraph(f"export --max-shard-gb {value!r}", code, err)
+    for target in ("", ".", "..", "/", str(run)):
+        code, err = _cli(["export", str(run), "--to", "hf", target], capfd)
+        _one_paragraph(f"export to {target!r}", code, err)
+        assert code == 2, target
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == owned
+    files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))[:3]
+    prefix = str(tmp_path / "merged" / "ds")
+    for i in range(2):
+        argv = ["prepare", "--input", *files, "--output", prefix, "--partition", f"{i}/2",
+                "--tokenizer", f"{tiny_corpus}.tokenizer.json"]  # fmt: skip
+        assert _cli(argv, capfd)[0] == 0
+    parts = {p: p.read_bytes() for p in Path(f"{prefix}.partitions").rglob("*") if p.is_file()}
+    for flag in MERGE_FLAGS:
+        for value in rng.sample(FLAG_VALUES, 4):
+            code, err = _cli(["merge", "--output", prefix, "--keep-partitions", flag, value], capfd)
+            _one_paragraph(f"merge {flag} {value!r}", code, err)
+    assert {p: p.read_bytes() for p in parts} == parts

@@ -2,7 +2,8 @@
 of a single-process run of the same model and batches, 3 steps, fp32, clipping active (threshold below the
 natural norm). Models: llama3 (untied and tied input/output embeddings: the tied weight is ONE DTensor under
 TP), qwen3 (QK-norm, so the NoParallel path of the TP plan is exercised) and baichuan2 with ALiBi (slopes
-sliced to each TP rank's heads). One torchrun launch per (family, world size) runs every variant of that
+sliced to each TP rank's heads), and llama3 with DSSN + TinyInit + QK-norm (issue 32: one run per layout group,
+its per-layer health figures checked too). One torchrun launch per (family, world size) runs every variant of that
 family; the reference runs once per (family, model overrides).
 
 Also: a pipeline stage's pruned model loads its own layers from a Hugging Face export (``init_from_hf``)."""
@@ -33,6 +34,8 @@ MODELS: dict[str, tuple[str, dict]] = {
     "llama3_tied": ("llama3", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {}),
     "baichuan2_alibi": ("baichuan2", {"flavor": "debug_alibi"}),
+    # issue 32: DSSN + TinyInit + QK-norm, one run per layout group (FSDP, TP, FSDP x TP); health figures checked
+    "llama3_dssn": ("llama3", {"norm_scheme": "dssn", "init": "tinyinit", "qk_norm": True}),
 }
 
 
@@ -74,6 +77,8 @@ def variants(world: int) -> dict[str, dict]:
         out["llama3_tied:tp2"] = layouts["tp2"]
         out["llama3_tied:zero3_dp2"] = layouts["zero3_dp2"]
         out["baichuan2_alibi:tp2"] = layouts["tp2"]
+        out["llama3_dssn:zero3_dp2"] = layouts["zero3_dp2"]
+        out["llama3_dssn:tp2"] = layouts["tp2"]
         return out
     layouts = {
         "zero3_dp4": {"parallel": {"zero_stage": 3}},
@@ -82,6 +87,7 @@ def variants(world: int) -> dict[str, dict]:
     }
     out = {f"{g}:{n}": v for g in ("llama3", "qwen3") for n, v in layouts.items()}
     out["llama3_tied:dp2_tp2"] = layouts["dp2_tp2"]
+    out["llama3_dssn:dp2_tp2"] = layouts["dp2_tp2"]
     return out
 
 
@@ -107,6 +113,7 @@ def reference(tiny_corpus, tmp_path_factory) -> dict[str, dict]:
         steps = [t.train_step() for _ in range(STEPS)]
         t.metrics.close()
         out[group] = {"loss": [s["loss"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps]}
+        out[group]["health"] = [s["health"] for s in steps]
         assert all(g > 0.05 for g in out[group]["grad_norm"])  # so clipping really acts
     # The overrides change the model: each group is its own reference, not a copy of another.
     assert out["llama3_tied"]["loss"][0] != out["llama3"]["loss"][0]
@@ -143,6 +150,18 @@ def close(name: str, got: dict, ref: dict) -> None:
         assert abs(a - b) <= 1e-3 * b, (name, got["grad_norm"], ref["grad_norm"])
 
 
+def close_health(name: str, got: list[dict], ref: list[dict]) -> None:
+    """The health figures of a layout (train/health.py: one all-reduce over the shards) against one process,
+    per step: per-layer gradient norms by the grad-norm rule (1e-3 relative), parameter norms, logit RMS and
+    the attention-logit bound within 1e-5 relative (the same numbers summed in another order)."""
+    assert len(got) == len(ref), name
+    for g, r in zip(got, ref, strict=True):
+        assert g.keys() == r.keys(), (name, sorted(set(g) ^ set(r)))
+        for key, want in r.items():
+            tol = 1e-3 if key.startswith("grad_norm/") or key == "max_layer_grad_norm" else 1e-5
+            assert abs(g[key] - want) <= tol * abs(want) + 1e-12, (name, key, g[key], want)
+
+
 def per_step(steps: list[dict]) -> dict:
     """``{"loss": [...], "grad_norm": [...]}`` of a list of ``train_step`` results (a reference for close)."""
     return {"loss": [s["loss"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps]}
@@ -158,6 +177,8 @@ def test_layouts_match_single_process(world, tiny_corpus, reference, tmp_path):
         ref = reference[name.split(":")[0]]
         assert len(r["loss"]) == STEPS
         close(name, r, ref)
+        if name.startswith("llama3_dssn:"):
+            close_health(name, r["health"], ref["health"])
 
 
 def test_pruned_stage_model_loads_its_layers_from_hf(tmp_path):

@@ -3,7 +3,8 @@
 Every schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv), an uneven layer split, PP x TP and PP x DP
 (ZeRO-3): losses within 1e-5 and grad norms within 1e-3 (relative) of a single-process run of the same model
 (debug flavor with 4 layers) and batches, 3 steps, fp32, clipping active. Two families (llama3, qwen3), one
-torchrun launch per (family, world size). Also: validation through the pipeline equals the single-process
+torchrun launch per (family, world size); llama3 with DSSN + TinyInit + QK-norm rides in the 2-rank launch (its
+per-layer health figures checked too). Also: validation through the pipeline equals the single-process
 validation of the same sequences; a PP2 checkpoint resumes in a single process with the same next losses (and
 the same parameter names); bad layouts are ConfigErrors (no torchrun needed).
 """
@@ -18,12 +19,16 @@ from llmtrain.config import config_from_dict
 from llmtrain.errors import ConfigError
 from llmtrain.resolve.validate import validate
 from llmtrain.train.trainer import Trainer
-from test_parallel import base, close, launch
+from test_parallel import base, close, close_health, launch
 
 STEPS = 3
 RESUME_STEPS = 2
 FAMILIES = ("llama3", "qwen3")
 PP = {"pipeline_parallel": 2, "micro_batch_num": 4}
+# issue 32: DSSN + TinyInit + QK-norm through the interleaved schedule (layers on two chunks per rank), its
+# per-layer health figures (every stage's layers, the last stage's logits) checked against one process too
+DSSN = {"model_type": "llama3", "norm_scheme": "dssn", "init": "tinyinit", "qk_norm": True}
+GROUPS = {**{f: {"model_type": f} for f in FAMILIES}, "llama3_dssn": DSSN}
 
 
 def pp_base(prefix: str, family: str) -> dict:
@@ -58,15 +63,17 @@ def variants(world: int, ckpt_dir: str) -> dict[str, dict]:
 def run_single(cfg: dict, steps: int) -> tuple[Trainer, dict]:
     t = Trainer(config_from_dict(cfg))
     outs = [t.train_step() for _ in range(steps)]
-    return t, {"loss": [o["loss"] for o in outs], "grad_norm": [o["grad_norm"] for o in outs]}
+    r = {"loss": [o["loss"] for o in outs], "grad_norm": [o["grad_norm"] for o in outs]}
+    return t, {**r, "health": [o["health"] for o in outs]}
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_corpus, tmp_path_factory) -> dict[str, dict]:
     """Single-process losses / grad norms of STEPS + RESUME_STEPS steps, and the validation loss after STEPS."""
     out = {}
-    for family in FAMILIES:
-        cfg = pp_base(tiny_corpus, family)
+    for family, model in GROUPS.items():
+        cfg = pp_base(tiny_corpus, model["model_type"])
+        cfg["model"].update(model)
         # The pipeline evaluates a whole global batch (8 sequences) per eval iteration, the plain loop one
         # micro-batch (2): 4 plain iterations read the same sequences as 1 pipeline iteration.
         cfg["eval"]["eval_iters"] = 4
@@ -87,6 +94,8 @@ def all_variants(world: int, tmp: Path) -> dict[str, dict]:
     for family in FAMILIES:
         for name, v in variants(world, str(tmp / f"ckpt-{family}")).items():
             out[f"{family}:{name}"] = {**v, "model": {"model_type": family}}
+    if world == 2:
+        out["llama3_dssn:pp2_interleaved_1f1b"] = {**out["llama3:pp2_interleaved_1f1b"], "model": dict(DSSN)}
     return out
 
 
@@ -100,6 +109,8 @@ def test_pipeline_matches_single_process(world, tiny_corpus, reference, tmp_path
     for name, r in results.items():
         ref = reference[name.split(":")[0]]
         close(name, r, ref)
+        if name.startswith("llama3_dssn:"):
+            close_health(name, r["health"], ref["health"])
         if "val_loss" in r:
             assert abs(r["val_loss"] - ref["val_loss"]) < 1e-5, (name, r["val_loss"], ref["val_loss"])
     if world == 4:

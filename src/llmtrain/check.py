@@ -46,12 +46,25 @@ def print_check(config: str, overrides: list[str], world_size: int | None = None
     stages = resolve_stages(cfg) if cfg.stages else None  # from the config as written, as in train
     if stages is not None:  # the stage plan fixes the run's length (a copy: the config as written is kept)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=stages[1][-1].end_step))
+    replica_lines: list[tuple[str, str]] = []
+    if cfg.fault_tolerance.enabled:  # the world size is the job's; the layout is checked for one group
+        from llmtrain.ft.layout import group_world, layout_lines
+
+        total = size if origin == "--world-size" else size * cfg.fault_tolerance.replicas
+        replica_lines, size = layout_lines(cfg, total), group_world(cfg, total)
+        origin = (
+            f"one of {cfg.fault_tolerance.replicas} replica groups; the job's {total} ranks from {origin}"
+        )
     derived, warnings = check_config(cfg, size, require_data=False)
     print(f"# llmtrain check {config}: OK\n# resolved config")
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
     print("\n# derived")
     for label, value in derived_lines(cfg, derived, origin):
         print(f"{label + ':':<18} {value}")
+    if replica_lines:
+        print("\n# replica groups (fault_tolerance)")
+        for label, value in replica_lines:
+            print(f"{label + ':':<18} {value}")
     if stages is not None:
         print("\n# stages")
         head = ["stage", "steps", "tokens", "LR (start -> end, shape)", "mixture"]

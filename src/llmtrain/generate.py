@@ -11,6 +11,8 @@ tested and reused.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from llmtrain.errors import ConfigError
@@ -31,7 +33,8 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)  # [..., V]
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
-    drop_sorted = mass_before >= p  # the top token always has mass_before 0 and stays
+    drop_sorted = mass_before >= p
+    drop_sorted[..., 0] = False  # the top token always stays (a p that underflows float32 to 0 included)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -47,7 +50,13 @@ def sample_next(
     logits = logits.float()
     if temperature == 0:
         return int(logits.argmax(dim=-1))
-    logits = logits / temperature
+    scaled = logits / temperature
+    if not bool(torch.isfinite(scaled[torch.isfinite(logits)]).all()):
+        # a temperature so small that logits / T overflows (1e-300; 5e-324 is 0 in fp32): the same limit,
+        # computed without overflow: the largest logits keep 0, the others go to -inf (greedy among ties)
+        shifted = (logits - logits.max()).double() / temperature
+        scaled = shifted.nan_to_num(nan=float("-inf")).float()
+    logits = scaled
     if top_k is not None:
         logits = filter_top_k(logits, top_k)
     if top_p is not None and top_p < 1.0:
@@ -73,6 +82,52 @@ def _check(
         raise ConfigError(f"top_p must be in (0, 1] or unset, got {top_p}.")
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device``: the GPU's free memory, or the host's available memory
+    (``MemAvailable``), or None where neither can be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@torch.no_grad()
+def cache_bytes_per_token(model: Transformer, device: torch.device) -> int:
+    """Bytes of key/value cache one position takes (measured: one token through a 1-position cache)."""
+    probe = KVCache(max_seq_len=1, batch_size=1)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws none
+        model(torch.zeros((1, 1), dtype=torch.long, device=device), cache=probe)
+    return sum(t.numel() * t.element_size() for d in (probe._k, probe._v) for t in d.values())
+
+
+def check_cache_memory(model: Transformer, prompt: int, max_new_tokens: int, device: torch.device) -> None:
+    """ConfigError naming max_new_tokens when the preallocated key/value cache of ``prompt`` +
+    ``max_new_tokens`` positions would take more than half of the memory available on ``device``."""
+    free = available_memory(device)
+    if free is None:
+        return
+    per_token = max(cache_bytes_per_token(model, device), 1)
+    budget = free // 2
+    if (prompt + max_new_tokens) * per_token <= budget:
+        return
+    fits = max(budget // per_token - prompt, 0)
+    raise ConfigError(
+        f"max_new_tokens {max_new_tokens} (after a prompt of {prompt} tokens) needs a key/value cache of "
+        f"{(prompt + max_new_tokens) * per_token / 2**30:.1f} GiB ({per_token:,} bytes per position), more than "
+        f"half of the {free / 2**30:.1f} GiB available on {device.type}; at most {fits:,} new tokens fit (the "
+        f"model was trained on {model.args.seq_length} tokens of context)."
+    )
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,
@@ -94,6 +149,7 @@ def generate(
     if bad:
         raise ConfigError(f"prompt token ids {bad[:5]} are outside the model's vocabulary of {vocab}.")
     device = next(model.parameters()).device
+    check_cache_memory(model, len(prompt_ids), max_new_tokens, device)
     cache = KVCache(max_seq_len=len(prompt_ids) + max_new_tokens, batch_size=1)
     tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T_prompt]
     new: list[int] = []

@@ -102,6 +102,8 @@ def main() -> None:
                 comm.append(counter.take())
         results[name] = {"loss": [o["loss"] for o in outs], "grad_norm": [o["grad_norm"] for o in outs]}
         results[name]["step_s"] = step_s  # rank 0's wall time of each step (for the record, not asserted)
+        if outs[0].get("health"):  # the log steps' per-layer health figures (train/health.py)
+            results[name]["health"] = [o["health"] for o in outs]
         for key in ("moe_aux_loss", "moe_load_max_over_mean"):  # MoE runs: the logged balance figures
             if key in outs[0]:
                 results[name][key] = [o[key] for o in outs]

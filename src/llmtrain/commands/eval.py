@@ -59,8 +59,9 @@ def main(args: argparse.Namespace) -> int:
     model.to(args.device)
     print(f"llmtrain eval: {ckpt} on {', '.join(specs)}", file=sys.stderr)
     results = evaluate(
-        model, tok, specs, args.limit, args.num_fewshot, args.batch_size, max_length=args.max_length
-    )
+        model, tok, specs, args.limit, args.num_fewshot, args.batch_size, max_length=args.max_length,
+        key="--tasks",
+    )  # fmt: skip
     print(format_table(results))
     if args.output is not None:
         meta = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 
 
@@ -67,6 +68,64 @@ def node_range(text: str) -> str:
             f"expected a node count N >= 1 or an elastic range MIN:MAX with 1 <= MIN <= MAX, got {text!r}"
         )
     return text
+
+
+def name_token(text: str) -> str:
+    """A rendezvous id or host name: non-empty, letters, digits and ``._-:`` only (no spaces, no slashes)."""
+    if not re.fullmatch(r"[A-Za-z0-9._:\[\]-]+", text or ""):
+        raise argparse.ArgumentTypeError(
+            f"expected a non-empty name of letters, digits and . _ - : (no spaces or slashes), got {text!r}"
+        )
+    return text
+
+
+RDZV_NUMBERS = ("join_timeout", "last_call_timeout", "close_timeout", "timeout", "read_timeout",
+                "keep_alive_interval", "keep_alive_max_attempt", "heartbeat_timeout")  # fmt: skip
+RDZV_BOOLS = ("is_host", "use_agent_store")
+
+
+def rdzv_conf(text: str) -> str:
+    """torchrun's ``--rdzv-conf``: ``key=value,...`` with the timeouts and counts of :data:`RDZV_NUMBERS`
+    finite numbers > 0 and :data:`RDZV_BOOLS` true/false; kept as written."""
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise argparse.ArgumentTypeError(
+                f"expected key=value[,key=value...] (e.g. join_timeout=600,last_call_timeout=30), got {text!r}"
+            )
+        if key in RDZV_NUMBERS:
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if not 0 < number < math.inf:
+                raise argparse.ArgumentTypeError(f"{key} must be a finite number > 0, got {value!r}")
+        elif key in RDZV_BOOLS and value.lower() not in ("true", "false", "1", "0"):
+            raise argparse.ArgumentTypeError(f"{key} must be true or false, got {value!r}")
+    return text
+
+
+def check_launch_flags(args: argparse.Namespace) -> None:
+    """The launch flags that only mean something together: a single-node launch (``--nnodes 1``, no
+    ``--master-addr``) uses no rendezvous, so ``--run-id``, ``--rdzv-conf`` and a ``--node-rank`` other than 0
+    would be ignored: refused; a static job's ``--node-rank`` must be below ``--nnodes``."""
+    from llmtrain.errors import ConfigError
+
+    single = args.nnodes in ("1", "1:1") and args.master_addr is None
+    if single:
+        for flag, value in (("--run-id", args.run_id), ("--rdzv-conf", args.rdzv_conf)):
+            if value is not None:
+                raise ConfigError(
+                    f"launch {flag} {value!r} is used only by a multi-node rendezvous (--nnodes N or MIN:MAX with "
+                    "--master-addr); a single-node launch would ignore it: remove it."
+                )
+    high = int(args.nnodes.split(":")[-1])
+    if args.node_rank is not None and args.node_rank >= high:
+        raise ConfigError(
+            f"launch --node-rank {args.node_rank} is not below --nnodes {args.nnodes}: node ranks run from 0 to "
+            f"{high - 1}."
+        )
 
 
 # The seed's `run_llm_pretrain.py` / `run_mindformer.py` flags (pretrain.sh: `mpirun -n N python

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import argparse
 
-from llmtrain.commands.flags import float_in, int_at_least, node_range
+from llmtrain.commands.flags import (
+    check_launch_flags,
+    float_in,
+    int_at_least,
+    name_token,
+    node_range,
+    rdzv_conf,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node-rank", type=int_at_least(0), default=None, help="this node's rank (static multi-node)"
     )
-    parser.add_argument("--master-addr", default=None, help="rendezvous host (multi-node)")
+    parser.add_argument("--master-addr", type=name_token, default=None, help="rendezvous host (multi-node)")
     parser.add_argument(
         "--master-port", type=int_at_least(1, 65535), default=29500, help="rendezvous port (default 29500)"
     )
@@ -32,18 +39,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-restarts", type=int_at_least(0), default=0, help="elastic restarts before giving up"
     )
     parser.add_argument(
-        "--run-id", default=None, help="rendezvous id (default: derived from the config path)"
+        "--run-id",
+        type=name_token,
+        default=None,
+        help="rendezvous id (default: derived from the config path)",
     )
     parser.add_argument(
         "--rdzv-conf",
+        type=rdzv_conf,
         default=None,
         help="torchrun rendezvous settings for elastic jobs, e.g. join_timeout=60,last_call_timeout=5",
     )
     parser.add_argument(
         "--connect-timeout",
-        type=float_in(0, low_open=True),
+        type=float_in(0, 86400, low_open=True),
         default=60.0,
         help="seconds to wait for a remote --master-addr to answer before giving up with exit 2 (default 60)",
+    )
+    parser.add_argument(
+        "--replicas", type=int_at_least(1, 1 << 16), default=1,
+        help="replica groups (torchft): a failed rank drops its group, the others keep training; the group is "
+        "restarted (--max-restarts) and heals live from a peer (default 1: one torchrun job)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lighthouse", default=None, metavar="HOST:PORT",
+        help="with --replicas: a torchft lighthouse running elsewhere (default: one inside this launcher)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stop-timeout",
+        type=float_in(0, 86400, low_open=True),
+        default=60.0,
+        help="on SIGTERM/Ctrl-C: seconds the workers get to save and exit (75) before they are killed; a second "
+        "signal kills them at once (default 60)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command, do not run it")
 
@@ -51,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from llmtrain.launch import LaunchSpec, launch
 
+    check_launch_flags(args)  # flags that only mean something together, before torchrun sees them
     spec = LaunchSpec(
         config=args.config,
         overrides=list(args.overrides),
@@ -63,5 +91,12 @@ def main(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         rdzv_conf=args.rdzv_conf,
         connect_timeout_s=args.connect_timeout,
+        stop_timeout_s=args.stop_timeout,
+        replicas=args.replicas,
+        lighthouse=args.lighthouse,
     )
+    if spec.replicas > 1:  # replica groups: the lighthouse and one torchrun per group (ft/launch.py)
+        from llmtrain.ft.launch import launch_replicas
+
+        return launch_replicas(spec, dry_run=args.dry_run)
     return launch(spec, dry_run=args.dry_run)

@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, metavar="PREFIX", help="the --output given to prepare")
     parser.add_argument("--num-shards", type=int_at_least(1), help="shards to write (default: prepare's)")
     parser.add_argument("--pack", choices=["concat", "bestfit"], help="packing (default: prepare's)")
-    parser.add_argument("--seq-length", type=int, help="sample length for packing (default: prepare's)")
+    parser.add_argument(
+        "--seq-length", type=int_at_least(1), help="sample length for packing (default: prepare's)"
+    )
     parser.add_argument("--keep-partitions", action="store_true", help="keep PREFIX.partitions/ afterwards")
 
 

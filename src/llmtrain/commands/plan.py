@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from llmtrain.commands.flags import int_at_least
+from llmtrain.commands.flags import float_in, int_at_least
 from llmtrain.plan.cli import CLAIM_KEYS
 
 
@@ -29,12 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int_at_least(1), default=5, help="layouts shown by --search")
     parser.add_argument("--claim", action="append", default=[], metavar="KEY=VALUE",
                         help=f"check a stated figure; KEY one of {', '.join(CLAIM_KEYS)}")  # fmt: skip
-    parser.add_argument("--engine", default="llmtrain", choices=("llmtrain", "megatron", "nemo"),
+    parser.add_argument("--engine", default="llmtrain", choices=("llmtrain", "megatron", "nemo", "torchtitan"),
                         help="how the layout is executed: llmtrain (this trainer, default), megatron "
-                        "(bf16 weights, SP inputs saved sharded, fused kernels) or nemo (megatron with NeMo's "
-                        "distributed Adam); see llmtrain/plan/layout.py")  # fmt: skip
+                        "(bf16 weights, SP inputs saved sharded, fused kernels), nemo (megatron with NeMo's "
+                        "distributed Adam) or torchtitan (FSDP2 with a bf16 policy, loss parallel, per-op "
+                        "selective recompute); see docs/planner.md")  # fmt: skip
     parser.add_argument("--tp-overlap", action="store_true",
                         help="TP collectives overlap with the GEMMs (Megatron --tp-comm-overlap, async TP)")  # fmt: skip
+    parser.add_argument("--failures", type=float_in(0, low_open=True), default=None, metavar="MTBF_HOURS_PER_DEVICE",
+                        help="goodput under failures: restart-from-checkpoint vs replica groups, for devices that "
+                        "each fail every MTBF hours (plan/goodput.py)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -54,5 +58,6 @@ def main(args: argparse.Namespace) -> int:
         as_json=args.json,
         engine=args.engine,
         tp_overlap=args.tp_overlap,
+        failures=args.failures,
     )
     return 0

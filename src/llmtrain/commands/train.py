@@ -11,7 +11,9 @@ The rank comes from whichever launcher started the process (torchrun, mpirun, sr
 :func:`llmtrain.distributed.env.rank_env`). The seed's ``run_llm_pretrain.py`` flags are accepted where they map
 onto config keys (``--config``, ``--save_dir``, ``--load_ckpt``, ``--dataset_dir``, ``--auto_resume``; see
 :func:`llmtrain.commands.flags.add_seed_flags`), so ``mpirun -n N llmtrain train --config X --save_dir D`` works
-as the seed's launch line did.
+as the seed's launch line did. ``--overwrite`` (``checkpoint.overwrite=true``) is the explicit word that lets
+``checkpoint.resume: none`` (or the seed's ``--auto_resume False``) start over in an output folder that holds
+committed checkpoints; without it such a start is refused (exit 2) and nothing is changed.
 """
 
 from __future__ import annotations
@@ -35,10 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-3 run.output_dir=runs/x"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with checkpoint.resume: none, start over in an output folder that holds committed checkpoints (they "
+        "are replaced by this run's first checkpoint); the same as checkpoint.overwrite=true",
+    )
     add_seed_flags(parser)
 
 
 def main(args: argparse.Namespace) -> int:
+    from llmtrain.distributed.orphan import stop_with_parent
+
+    stop_with_parent()  # under torchrun: a worker whose agent died stops by itself (distributed/orphan.py)
     from llmtrain.config import load_config
     from llmtrain.distributed.device import shutdown_distributed
     from llmtrain.distributed.env import rank_env
@@ -46,6 +57,8 @@ def main(args: argparse.Namespace) -> int:
     from llmtrain.train.trainer import Trainer
 
     config, overrides = seed_flag_overrides(args)
+    if getattr(args, "overwrite", False):  # before the user's own overrides: an explicit key=value wins
+        overrides = ["checkpoint.overwrite=true", *overrides]
     world_size = rank_env().world_size  # torchrun, mpirun or srun: sets RANK, WORLD_SIZE, ... for env://
     cfg, notes = load_config(config, overrides)
     warnings = validate(cfg, world_size=world_size, require_data=True)

@@ -180,6 +180,7 @@ RANGES: dict[str, Range] = {
     "train.initial_loss_scale": _POSITIVE,
     "train.loss_scale_window": _COUNT,
     "train.label_smoothing": _SHARE,
+    "train.z_loss": Range(0, 1),  # PaLM: 1e-4; 0: off
     "train.loss_chunk_tokens": _off(MAX_SEQ),
     "train.seed": Range(0, MAX_SEED),
     "train.log_steps": _COUNT,
@@ -244,6 +245,15 @@ RANGES: dict[str, Range] = {
     "fault.slow_rank": Range(0, MAX_DEGREE, extra=(-1,), note="-1: none"),
     "fault.slow_seconds": Range(0, MAX_SECONDS),
     "fault.seed": Range(0, MAX_SEED),
+    "fault.replica": Range(0, MAX_DEGREE, extra=(-1,), note="-1: every replica group"),
+    "fault.kill_replicas[]": Range(0, MAX_DEGREE),
+    # fault_tolerance (ft/)
+    "fault_tolerance.replicas": Range(1, MAX_DEGREE),
+    "fault_tolerance.min_replicas": Range(1, MAX_DEGREE),
+    "fault_tolerance.heartbeat_timeout_s": Range(0, MAX_SECONDS, lo_open=True),
+    "fault_tolerance.join_timeout_s": Range(0, MAX_SECONDS),
+    "fault_tolerance.quorum_timeout_s": Range(0, MAX_SECONDS, lo_open=True),
+    "fault_tolerance.timeout_s": Range(0, MAX_SECONDS, lo_open=True),
     # data.prepare (`llmtrain prepare`'s options, data/prep/pipeline.py PrepareOptions; config.loader.check_section)
     "data.prepare.seq_length": Range(1, MAX_SEQ),
     "data.prepare.num_shards": Range(1, 100_000),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from llmtrain.config.survival import FaultConfig, StabilityConfig
+from llmtrain.config.survival import FaultConfig, FaultToleranceConfig, StabilityConfig
 
 
 @dataclass
@@ -132,7 +132,16 @@ class ModelConfig:
     sliding_window_layers: list[int] | None = None
     """Blocks (0-based) that use the sliding window; None: every block (Qwen's layer_types pick some)."""
     post_norms: bool | None = None
-    """Extra RMSNorms on the attention and MLP outputs before each residual add (GLM-4-0414)."""
+    """Extra RMSNorms on the attention and MLP outputs before each residual add (GLM-4-0414); the structural
+    switch behind norm_scheme sandwich / dssn."""
+    norm_scheme: Literal["pre", "sandwich", "dssn"] | None = None
+    """Where the blocks normalise: pre (pre-norm), sandwich (pre-norm plus an RMSNorm on each sub-layer's output
+    before its residual add, GLM-4-0414's post norms) or dssn (Pangu Ultra's depth-scaled sandwich norm: sandwich
+    with the post norms' gains initialised to c / sqrt(num_layers)). None: the flavor's (sandwich for GLM-4-0414,
+    pre for every other published checkpoint)."""
+    init: Literal["default", "tinyinit"] = "default"
+    """Weight init: default (normal(0, init_std), residual projections init_std / sqrt(2 * num_layers)) or
+    tinyinit (Pangu Ultra: every matrix normal(0, sqrt(1 / (2 * hidden_size * num_layers))), embedding std 0.5)."""
     kv_lora_rank: int | None = None
     """Multi-head latent attention (DeepSeek-V3: 512) when > 0: keys and values come from a compressed latent
     of this width (what the KV cache holds); 0: grouped-query attention."""
@@ -269,6 +278,9 @@ class TrainConfig:
     """Validate every this many steps (0: only at the end)."""
     compile: bool = False
     """torch.compile each block and the cross-entropy (not with tensor parallel: warning ``tp_compile``)."""
+    z_loss: float = 0.0
+    """PaLM's auxiliary z-loss: adds z_loss * log(Z)^2 per target token (Z the softmax normaliser of its
+    logits) to the training loss, pulling the log-partition towards 0 (PaLM: 1e-4; 0: off). Not in val_loss."""
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 GEMMs of the blocks' linears (torchao; CUDA >= 8.9): none, tensorwise or rowwise (docs/precision.md)."""
 
@@ -317,6 +329,9 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints."""
     resume: str = "auto"
     """auto (newest checkpoint under checkpoint dir, if any), none, or a checkpoint PATH."""
+    overwrite: bool = False
+    """With resume: none, start over in a folder that holds committed checkpoints: they are replaced by this run's
+    first checkpoint (without it, such a start is refused). `llmtrain train --overwrite` sets it."""
     save_dir: str | None = None
     """Where checkpoints go; None means <run.output_dir>/checkpoints."""
     save_at_end: bool = True
@@ -448,5 +463,6 @@ class Config:
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     stages: list[StageConfig] = field(default_factory=list)
     """Multi-stage curriculum (see StageConfig); empty = one stage over data.datasets."""

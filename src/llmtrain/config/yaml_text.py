@@ -13,6 +13,7 @@ and names the line.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
@@ -21,11 +22,13 @@ from llmtrain.config.ranges import show
 from llmtrain.errors import ConfigError
 
 
-def parse_yaml(text: str, what: str) -> Any:
+def parse_yaml(text: str, what: str, tags: Mapping[str, Callable[[str], Any]] | None = None) -> Any:
     """The one YAML document of ``text`` (safe_load semantics, duplicate keys refused), or ConfigError starting
     with ``what`` (``config file PATH``, ``command-line override 'k=v'``) when the text is too long, holds a
     control character, nests or expands past the bounds below, or has an integer of more than MAX_DIGITS
-    digits; strings with control characters written as escapes (``"\\x00"``) are refused too."""
+    digits; strings with control characters written as escapes (``"\\x00"``) are refused too. ``tags`` adds
+    scalar tags (``{"!function": f}``: the scalar's text becomes ``f(text)``; lm-eval task files); every
+    other tag is still refused."""
     if len(text) > MAX_CONFIG_CHARS:
         raise ConfigError(
             f"{what} is {len(text):,} characters long; a config is at most {MAX_CONFIG_CHARS:,} "
@@ -33,7 +36,7 @@ def parse_yaml(text: str, what: str) -> Any:
         )
     refuse_control(text, what)
     try:
-        loader = _StrictSafeLoader(text)  # a SafeLoader subclass: safe_load semantics
+        loader = _with_tags(tags)(text)  # a SafeLoader subclass: safe_load semantics
     except yaml.YAMLError as e:  # the reader refuses a character PyYAML cannot represent
         raise ConfigError(f"{what} is not valid YAML: {e}.") from None
     try:
@@ -195,3 +198,27 @@ class _StrictSafeLoader(yaml.SafeLoader):
 
 
 _StrictSafeLoader.add_constructor("tag:yaml.org,2002:int", _StrictSafeLoader.construct_yaml_int)
+
+
+def _with_tags(tags: Mapping[str, Callable[[str], Any]] | None) -> type[_StrictSafeLoader]:
+    """_StrictSafeLoader, or a subclass of it that also reads the scalar ``tags``."""
+    if not tags:
+        return _StrictSafeLoader
+
+    class Tagged(_StrictSafeLoader):
+        pass
+
+    for tag, make in tags.items():
+
+        def construct(loader: yaml.SafeLoader, node: yaml.Node, make: Callable[[str], Any] = make) -> Any:
+            if not isinstance(node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"{node.tag} takes one name (module.function), not a collection",
+                    node.start_mark,
+                )
+            return make(str(loader.construct_scalar(node)))
+
+        Tagged.add_constructor(tag, construct)
+    return Tagged

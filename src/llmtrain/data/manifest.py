@@ -76,7 +76,48 @@ def read_manifest(prefix: str) -> dict:
             f"Manifest '{path}' of dataset '{prefix}': 'tokenizer' and 'files' must be JSON objects; run prepare "
             "again."
         )
+    problem = tokenizer_claims_problem(manifest)
+    if problem is not None:
+        raise DataError(
+            f"Manifest '{path}' of dataset '{prefix}': {problem}. The manifest was edited or written by another "
+            "tool; restore it from a copy or run prepare again."
+        )
     return manifest
+
+
+DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64")  # the integer dtypes of indexed.DTYPE_CODES
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def tokenizer_claims_problem(manifest: dict) -> str | None:
+    """Why the manifest's token facts cannot be right (None: they can): ``dtype`` an integer type,
+    ``tokenizer.vocab_size`` an integer > 0 (or absent), ``eos_id`` an integer within it, ``bos_id`` null or
+    within it. Checked for every manifest, sealed or not: a seal proves who wrote it, not that it is sane."""
+    if manifest.get("dtype") not in DTYPES:
+        return f"dtype {manifest.get('dtype')!r} is not one of {', '.join(DTYPES)}"
+    tok = manifest["tokenizer"]
+    vocab = tok.get("vocab_size")
+    if vocab is not None and (not _int(vocab) or vocab < 1):
+        return f"tokenizer.vocab_size {vocab!r} is not an integer >= 1"
+    high = vocab if vocab is not None else 2**63
+    for key, required in (("eos_id", True), ("bos_id", False)):
+        value = tok.get(key)
+        if value is None and not required:
+            continue
+        if not _int(value) or not 0 <= value < high:
+            valid = f"0..{vocab - 1}" if vocab is not None else "an integer >= 0"
+            return f"tokenizer.{key} {value!r} is outside the vocabulary (valid ids: {valid})"
+    return None
+
+
+def is_sealed(manifest: dict) -> bool:
+    """True when the manifest carries its seal (``read_manifest`` has checked it then): written by prepare or
+    merge and unchanged since. An unsealed one (older, hand-written, edited with the seal removed) is verified
+    like a foreign dataset: its token facts are taken from the tokenizer file, not from the manifest."""
+    return manifest.get(SEAL_KEY) is not None
 
 
 SEAL_KEY = "manifest_sha256"

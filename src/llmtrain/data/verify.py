@@ -9,8 +9,11 @@ file, and a file of that name that llmtrain did not write is never overwritten):
     {"format": "llmtrain.verified", "version": 1,
      "files": {"NAME.bin": {"bytes", "mtime_ns", "sha256", "min_id", "max_id"}, "NAME.idx": {...}}, ...}
 
-A later start trusts a file whose size and ``mtime_ns`` equal the stamp's (and whose manifest sha256 equals the
-stamp's): one ``stat`` per file, no read. Any other file is hashed again. Results are also memoised in the
+A later start trusts a file whose size, ``mtime_ns``, inode and ``ctime_ns`` equal the stamp's (and whose
+manifest sha256 equals the stamp's): one ``stat`` per file, no read. The inode and the ctime bind the stamp to
+the file itself: a copy put in its place (same size, ``touch -d`` back to the old mtime) has another inode, and
+any write, rename or ``touch`` moves the ctime, which no user can set back. A stamp entry without them (an older
+llmtrain) is verified again. Any other file is hashed again. Results are also memoised in the
 process, so ``train`` (which validates, then builds the loader) hashes at most once even where the stamp cannot
 be written (a read-only dataset folder: there the full pass runs on every start). Cost: one read of the data at
 disk speed, sha256 about 1-2 GB/s per core, so ~1 s per GB once; datasets are never hashed on every start.
@@ -22,12 +25,17 @@ which would otherwise end in an IndexError deep in the embedding; an index that 
 (negative lengths, pointers past the end or not back to back, document indices unsorted or out of range, a
 float dtype, counts that disagree with the file sizes: ``indexed.check_index``, run in the same first pass and
 recorded in the stamp's ``.idx`` entry as ``sequences``), which matters most for a Megatron dataset, whose
-files no manifest pins. What is not caught: a change after the
-stamp that keeps both size and ``mtime_ns`` (``touch -d`` back to the old time, or corruption below the
-filesystem: bit rot, a bad disk); a change while a run is going (the files are memory-mapped at the start). A
+files no manifest pins. What is not caught: corruption below the
+filesystem after the stamp (bit rot, a bad disk), and changes on a filesystem that does not keep inodes and
+ctimes (some network filesystems report fixed ones); a change while a run is going (the files are memory-mapped at the start). A
 Megatron dataset has no manifest, so no reference checksum: its pass cannot tell a damaged file from a
 regenerated one. Its sha256 is still recorded (stamped) and enters the run's data fingerprint, so resuming a
 run on changed Megatron data is refused like resuming on a changed manifest dataset; its ids are bound-checked.
+
+A manifest without its seal (``manifest_sha256``: older, hand-written, or edited with the seal removed) vouches
+for nothing, so it is verified like a foreign dataset: its vocabulary and EOS are compared with the tokenizer file
+(its copy, else ``data.tokenizer``), and a claim the tokenizer does not back is refused; every manifest's claims
+must be sane on their own (``manifest.tokenizer_claims_problem``: the EOS id inside the vocabulary).
 """
 
 from __future__ import annotations
@@ -41,9 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtrain.data.describe import DatasetInfo
+from llmtrain.data.describe import DatasetInfo, tokenizer_facts
 from llmtrain.data.indexed import bin_path, check_index, idx_path, read_header
-from llmtrain.data.manifest import write_json_atomic
+from llmtrain.data.manifest import is_sealed, write_json_atomic
 from llmtrain.data.tokenizer import sha256_file
 from llmtrain.errors import DataError
 
@@ -54,7 +62,8 @@ CHUNK_BYTES = 1 << 23  # 8 MiB per read: a multiple of every token size
 
 @dataclass(frozen=True)
 class FileCheck:
-    """One verified file: its size, mtime and sha256 when verified, and for a ``.bin`` its id range."""
+    """One verified file: its size, mtime, inode and ctime and sha256 when verified, and for a ``.bin`` its id
+    range."""
 
     bytes: int
     mtime_ns: int
@@ -64,9 +73,18 @@ class FileCheck:
     sequences: int | None = None
     """For a ``.idx``: its sequence count, recorded once :func:`llmtrain.data.indexed.check_index` passed (a
     stamp entry without it, from an older llmtrain, is verified again)."""
+    inode: int | None = None
+    """``st_ino`` when verified: a file put in its place (a copy, a rename) has another one."""
+    ctime_ns: int | None = None
+    """``st_ctime_ns`` when verified: every write, rename, chmod or ``touch`` moves it, and it cannot be set back."""
 
 
-_MEMO: dict[tuple[str, int, int, str], FileCheck] = {}  # (resolved path, size, mtime_ns, dtype) -> check
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What binds a stamp entry to a file: size, mtime, inode, ctime."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
+_MEMO: dict[tuple, FileCheck] = {}  # (resolved path, size, mtime_ns, inode, ctime_ns, dtype) -> check
 _INDEX_MEMO: set[tuple] = set()  # (.idx, .bin) (resolved path, size, mtime_ns) pairs whose structure passed
 
 
@@ -104,6 +122,7 @@ def verify_dataset(info: DatasetInfo, where: str, vocab_size: int | None = None)
                 f"the tokenizer it was made with, or prepare it again."
             )
     _check_tokenizer_copy(info, where)
+    _check_unsealed(info, where)
     fresh = {n: c for n, c in checks.items() if stamp.get(n) != _record(c)}
     if fresh and writable:
         _write_stamp(info.prefix, checks)
@@ -118,7 +137,7 @@ def _check_structure(
     names = [os.path.relpath(p, folder) for p in (bin_path(shard), idx_path(shard))]
     if all(stamp.get(n) == _record(checks[n]) for n in names):
         return  # both files as stamped, and the stamp was written after this check passed
-    key = tuple((str(p.resolve()), st.st_size, st.st_mtime_ns) for p in (bin_path(shard), idx_path(shard))
+    key = tuple((str(p.resolve()), *_identity(st)) for p in (bin_path(shard), idx_path(shard))
                 for st in [p.stat()])  # fmt: skip
     if key not in _INDEX_MEMO:
         try:
@@ -143,6 +162,24 @@ def _check_tokenizer_copy(info: DatasetInfo, where: str) -> None:
         )
 
 
+def _check_unsealed(info: DatasetInfo, where: str) -> None:
+    """A manifest without its seal is verified like a foreign dataset: its vocabulary and EOS must be the
+    tokenizer file's (the copy next to it, else ``data.tokenizer``) where one is on this machine."""
+    if info.manifest is None or is_sealed(info.manifest):
+        return
+    if not info.tokenizer_file or not Path(info.tokenizer_file).is_file():
+        return  # nothing to compare with: the claims were checked on their own (manifest.read_manifest)
+    facts = tokenizer_facts(info.tokenizer_file)
+    for key, claimed, actual in (("vocab_size", info.vocab_size, facts.vocab_size),
+                                 ("eos_id", info.eos_id, facts.eos_id)):  # fmt: skip
+        if claimed is not None and claimed != actual:
+            raise DataError(
+                f"{where} = '{info.prefix}': its manifest has no seal (manifest_sha256), so it is verified like a "
+                f"foreign dataset, and its tokenizer.{key} {claimed} is not the tokenizer's ({actual}, "
+                f"{info.tokenizer_file}). Restore the manifest from a copy, or prepare the dataset again."
+            )
+
+
 def _check_file(
     path: Path, is_bin: bool, info: DatasetInfo, expected: str | None, stamped: dict | None, where: str
 ) -> FileCheck:
@@ -158,13 +195,13 @@ def _check_file(
             cached = None
         if (
             cached is not None
-            and (cached.bytes, cached.mtime_ns) == (st.st_size, st.st_mtime_ns)
+            and (cached.bytes, cached.mtime_ns, cached.inode, cached.ctime_ns) == _identity(st)
             and (expected is None or cached.sha256 == expected)
             and (not is_bin or cached.max_id is not None or st.st_size == 0)
             and (is_bin or cached.sequences is not None)
         ):
             return cached
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, info.dtype.name if is_bin else "")
+    key = (str(path.resolve()), *_identity(st), info.dtype.name if is_bin else "")
     check = _MEMO.get(key) or _full_pass(path, info.dtype if is_bin else None, st, where, info.prefix)
     if expected is not None and check.sha256 != expected:
         raise DataError(
@@ -195,7 +232,9 @@ def _full_pass(path: Path, dtype: np.dtype | None, st: os.stat_result, where: st
                 ids = np.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize)
                 a, b = int(ids.min()), int(ids.max())
                 lo, hi = (a, b) if lo is None or hi is None else (min(lo, a), max(hi, b))
-    return FileCheck(st.st_size, st.st_mtime_ns, h.hexdigest(), lo, hi)
+    return FileCheck(
+        st.st_size, st.st_mtime_ns, h.hexdigest(), lo, hi, inode=st.st_ino, ctime_ns=st.st_ctime_ns
+    )
 
 
 def _record(c: FileCheck) -> dict:

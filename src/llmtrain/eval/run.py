@@ -103,13 +103,15 @@ def evaluate(
     env_info: bool = True,
     progress: bool = True,
     forward: Any = None,
+    key: str = "eval.tasks",
 ) -> dict[str, Any]:
     """lm-eval's results dict (``results``, ``configs``, ``versions``, ``n-shot``, ``n-samples`` ...; with
     ``samples`` when ``log_samples``) for ``model`` on ``tasks`` (shipped names or task YAML paths).
     ``env_info`` False skips lm-eval's environment survey (torch's collect_env: ~2 s of subprocesses) and its
     ``git describe``, ``progress`` False its progress bars, as the in-loop evaluation does. ``forward`` (an
     :mod:`llmtrain.eval.forward` object) is how the model is called: None for one process, a
-    ``LayoutForward`` on every rank of a parallel run (all ranks then call this with the same arguments)."""
+    ``LayoutForward`` on every rank of a parallel run (all ranks then call this with the same arguments).
+    ``key`` names where the task specs came from in messages (``eval.tasks``, ``--tasks``)."""
     lm_eval = import_lm_eval()
     from llmtrain.eval.lm import LLMTrainLM
 
@@ -118,7 +120,9 @@ def evaluate(
     if num_fewshot is not None and num_fewshot < 0:
         raise ConfigError(f"num_fewshot must be 0 or more, got {num_fewshot}.")
     with _datasets_quiet(progress):
-        manager, built = build_tasks(tasks)
+        manager, built = build_tasks(tasks, key)
+    files = _task_files(tasks)
+    check_fewshot(built, num_fewshot, files)
     lm = LLMTrainLM(
         model, tokenizer, batch_size, max_length=max_length, autocast_dtype=autocast_dtype, progress=progress,
         forward=forward,
@@ -140,9 +144,63 @@ def evaluate(
                 numpy_random_seed=None,
                 torch_random_seed=None,
             )
+    except Exception as e:
+        if not _raised_outside_llmtrain(e):
+            raise
+        # lm-eval (or jinja2 / datasets under it) failed on what a task file asked for: name the files
+        raise ConfigError(
+            f"lm-eval could not evaluate the task(s) of {files}: {type(e).__name__}: {e}. Check those task "
+            "files (templates, splits, fields, few-shot settings)."
+        ) from None
     finally:
         model.train(was_training)
     return dict(results or {})
+
+
+def _task_files(specs: Sequence[str]) -> str:
+    from llmtrain.eval.tasks import spec_path
+
+    return ", ".join(str(spec_path(s) or s) for s in specs)
+
+
+def _raised_outside_llmtrain(e: BaseException) -> bool:
+    """Whether ``e`` came from lm-eval (or jinja2 / datasets under it) without passing through llmtrain's code
+    below this module (our LM wrapper, the model): an error of ours keeps its traceback."""
+    tb = e.__traceback__
+    ours = str(Path(__file__).resolve().parents[1])
+    if tb is None:
+        return False
+    tb = tb.tb_next  # this module's own frame
+    while tb is not None:
+        if str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(ours):
+            return False
+        tb = tb.tb_next
+    return True
+
+
+def check_fewshot(built: Sequence[Any], num_fewshot: int | None, files: str) -> None:
+    """ConfigError when a task asks for more few-shot examples than its few-shot split holds (lm-eval would
+    fail deep inside its sampler); ``num_fewshot`` (the flag) overrides each task's own ``num_fewshot``."""
+    for task in built:
+        config = getattr(task, "config", None)
+        shots = num_fewshot if num_fewshot is not None else getattr(config, "num_fewshot", None)
+        if not isinstance(shots, int) or shots <= 0:
+            continue
+        name = getattr(config, "task", "?")
+        try:
+            docs = task.fewshot_docs()
+            available = len(docs) if docs is not None else 0
+        except Exception:  # a version without the API: lm-eval's own error is wrapped later
+            continue
+        split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+        same = split is not None and split == getattr(config, "test_split", None)
+        available -= 1 if same else 0  # the scored document itself is left out of its own examples
+        if shots > available:
+            raise ConfigError(
+                f"task '{name}' ({files}): {shots} few-shot examples asked for (--num-fewshot or the task's "
+                f"num_fewshot) but its few-shot split holds only {max(available, 0)} other documents; lower "
+                "--num-fewshot or add data to the split."
+            )
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +38,14 @@ def _marker_files(path: Path) -> list[str] | None:
 
 
 def check_target(out: Path) -> str:
-    """``new``, ``empty`` or ``ours`` for a usable target; FileSystemError (exit 2) for anything else."""
+    """``new``, ``empty`` or ``ours`` for a usable target; FileSystemError (exit 2) for anything else (the
+    current directory or a folder above it included: renaming it would pull the ground from under the shell)."""
+    here, there = Path.cwd().resolve(), Path(os.path.abspath(out)).resolve()
+    if there == here or there in here.parents or not there.name:
+        raise FileSystemError(
+            f"export target {out} is the current directory or a folder above it ({there}); an export replaces "
+            "its target folder whole. Name a new folder, e.g. `--to hf ./hf-export`."
+        )
     if not out.exists() and not out.is_symlink():
         return "new"
     if not out.is_dir() or out.is_symlink():
@@ -75,10 +83,17 @@ def write_marker(folder: Path, info: dict[str, Any]) -> Path:
     return path
 
 
+def _io_errno(e: BaseException) -> int | None:
+    """The errno of an I/O failure a library reports as its own exception type (safetensors' SafetensorError:
+    "... I/O error: No space left on device (os error 28)"), or None."""
+    m = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return int(m.group(1)) if m else None
+
+
 @contextmanager
 def publish(out: str | Path, info: dict[str, Any]) -> Iterator[Path]:
     """Yield a temporary folder; on success mark it and move it onto ``out`` (see the module docstring)."""
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # `.`-free: the temporary sibling needs the folder's own name
     kind = check_target(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -105,8 +120,14 @@ def publish(out: str | Path, info: dict[str, Any]) -> Iterator[Path]:
         raise FileSystemError(
             f"export to {out} failed: {os_error_text(e)} Nothing was changed at {out}."
         ) from None
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        code = _io_errno(e)
+        if code is not None:  # safetensors' own wrapping of a full disk, a quota ...
+            os_error = OSError(code, os.strerror(code), str(tmp))
+            raise FileSystemError(
+                f"export to {out} failed: {os_error_text(os_error)} Nothing was changed at {out}."
+            ) from None
         raise
 
 

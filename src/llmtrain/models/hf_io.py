@@ -321,6 +321,24 @@ def hf_config_for(
     return config
 
 
+def check_norm_scheme_exportable(args: TransformerArgs) -> None:
+    """ConfigError unless ``args`` has no post norms or is a GLM-4 model (``Glm4ForCausalLM``).
+
+    A sandwich / dssn block normalises each sub-layer's output before its residual add. The only transformers
+    architecture with those two norms per layer is GLM-4-0414's ``Glm4ForCausalLM``, which also fixes GLM-4's
+    other choices (partial interleaved RoPE, fused gate/up projection, no o_proj bias), so only a ``glm4``
+    model computes its function exactly (tests/test_norm_init.py checks the logits); DSSN differs from
+    sandwich only in the initial gains, which the export carries as weights."""
+    if args.post_norms and args.family != "glm4":
+        raise ConfigError(
+            f"this {args.family} model has model.norm_scheme {args.norm_scheme} (an RMSNorm on every attention and "
+            "MLP output before its residual add), which no transformers class of its family has: the only "
+            "architecture with those norms is Glm4ForCausalLM (GLM-4-0414), and it also has GLM-4's partial "
+            f"interleaved RoPE, so a {args.family} model exported there would compute another function. Train with "
+            "model.model_type: glm4 to export a sandwich / dssn model, or use model.norm_scheme: pre."
+        )
+
+
 def save_hf(
     state_dict: dict[str, torch.Tensor],
     args: TransformerArgs,
@@ -335,6 +353,7 @@ def save_hf(
     ``out_dir`` (see the module docstring); ``dtype`` None keeps the tensors' own. Returns the files written."""
     from safetensors.torch import save_file
 
+    check_norm_scheme_exportable(args)
     adapter = _hf_adapter(args.family)
     hf_sd = adapter.to_hf_state_dict(state_dict, args)
     if args.tie_word_embeddings:

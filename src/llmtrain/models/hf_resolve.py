@@ -149,6 +149,9 @@ def _disagreements(
         differ("max_position_embeddings", cfg.max_position_embeddings, d.get("max_position_embeddings"))
     if not cfg.use_rope:
         differ("use_rope", False, hf.position_embedding == "rope")
+    scheme = getattr(cfg, "norm_scheme", None)
+    if scheme is not None and (scheme != "pre") != hf.post_norms:  # dssn vs sandwich: only the init differs
+        differ("norm_scheme", scheme, "sandwich" if hf.post_norms else "pre")
     for key, arg in MOE_COMPARED.items():
         value = getattr(cfg.moe, key)
         if value is not None and (hf.num_experts or key == "num_experts"):

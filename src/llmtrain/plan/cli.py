@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 from llmtrain.config.loader import load_config
 from llmtrain.config.schema import Config
@@ -24,6 +25,7 @@ from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Cluster, load_catalog, parse_cluster
 from llmtrain.plan.long_context import loss_chunk
 from llmtrain.plan.memory import min_state_bytes_per_device
+from llmtrain.plan.recipes import ENGINE_SUMMARY, engine_hint
 from llmtrain.plan.search import PlanResult, evaluate, layout_from_config, layout_overrides, search
 
 GIB = 2**30
@@ -52,9 +54,10 @@ def check_claims(claims: list[str], result: PlanResult, cluster: Cluster, total_
             value = float(text.replace(",", "").replace("_", ""))
         except ValueError:
             value = math.nan
-        if not sep or key not in CLAIM_KEYS or not value > 0:
+        if not sep or key not in CLAIM_KEYS or not 0 < value < math.inf:
             raise ConfigError(
-                f"--claim {item!r}: expected KEY=NUMBER with KEY one of {', '.join(CLAIM_KEYS)}."
+                f"--claim {item!r}: expected KEY=NUMBER (a finite number > 0) with KEY one of "
+                f"{', '.join(CLAIM_KEYS)}."
             )
         steps_per_s_bound = bound_tps * result.layout.world_size / result.tokens_per_step
         if key in ("tokens_per_s_per_device", "steps_per_s"):
@@ -106,9 +109,11 @@ def plan_dict(result: PlanResult, cluster: Cluster, total_tokens: int, warnings:
         "cluster": cluster.describe(),
         "device": cluster.device.name,
         "layout": result.layout.describe(),
+        "engine": result.layout.engine,
         "fits": result.memory.fits,
         "memory_per_device_bytes": result.memory.as_dict(),
         "memory_capacity_bytes": result.memory.capacity,
+        "memory_reserved_bytes": result.memory.reserved,
         "memory_detail_bytes": {**result.memory.details, "host_offload": result.memory.host_bytes},
         "memory_worst_stage": result.memory.stage,
         "step_time_s": t.total,
@@ -147,6 +152,7 @@ def print_plan(
     as_json: bool = False,
     engine: str = "llmtrain",
     tp_overlap: bool = False,
+    failures: float | None = None,
 ) -> None:
     """Plan ``config`` (with ``overrides``) on ``cluster_spec`` (None: from the config) and print the table, or
     one JSON object with ``as_json``; ``search_layouts`` adds the ``top`` ranked layouts, ``claims`` the verdicts
@@ -176,7 +182,17 @@ def print_plan(
     out["model"] = {"family": margs.family, "parameters": margs.num_params(), "seq_length": layout.seq_length,
                     "flops_per_token": margs.flops_per_token(layout.seq_length)}  # fmt: skip
     out["claims"] = verdicts
+    out["hints"] = []
+    if hint := engine_hint(margs, layout, _is_run_file(config)):  # what the publishing engine plans
+        alt = evaluate(margs, replace(layout, engine=hint[0]), cluster, tokens_per_step, fused)
+        out["hints"].append(f"{hint[1]} (engine {hint[0]}: {alt.memory.total / GIB:.1f} GiB per device, "
+                            f"{'fits' if alt.memory.fits else 'does not fit'}, "
+                            f"{alt.tokens_per_s_per_device:,.0f} tokens/s per device).")  # fmt: skip
     out["loss_chunk_tokens"] = loss_chunk(margs, layout)
+    if failures is not None:  # --failures MTBF_HOURS_PER_DEVICE (plan/goodput.py)
+        from llmtrain.plan.goodput import for_plan
+
+        out["goodput"] = for_plan(cfg, result, cluster, failures).as_dict()
     ranked: list[PlanResult] = []
     if search_layouts:
         ranked, tried, fitting = search(margs, layout, cluster, tokens_per_step, fused, top=top)
@@ -187,6 +203,16 @@ def print_plan(
         print(json.dumps(out, indent=2))
     else:
         print(render(out, result, ranked))
+
+
+def _is_run_file(config: str) -> bool:
+    """True when ``config`` is a MindFormers run file (another framework's layout: recipes.engine_hint)."""
+    from pathlib import Path
+
+    from llmtrain.config.loader import read_yaml
+    from llmtrain.config.mindformers import is_structured_layout
+
+    return is_structured_layout(read_yaml(Path(config)))
 
 
 def collect_warnings(cfg: Config, result: PlanResult, cluster: Cluster, margs: TransformerArgs) -> list[str]:
@@ -234,6 +260,7 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
         f"plan: {out['model']['family']} {out['model']['parameters'] / 1e9:.2f}B parameters, seq "
         f"{out['model']['seq_length']}, on {out['cluster']}",
         f"layout: {out['layout']}  ({out['tokens_per_step']:,} tokens per step)",
+        f"engine: {out['engine']} ({ENGINE_SUMMARY[out['engine']]}; --engine to change)",
         "",
         f"memory per device (worst pipeline stage {out['memory_worst_stage']}):",
     ]
@@ -248,7 +275,10 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
             ("  CP boolean mask (per micro-batch)", det.get("cp_mask", 0.0)),
             ("  CP additive mask (one for all layers)", det.get("cp_additive_mask", 0.0)),
             ("other (sum of the seven above)", m["other"]),
-            ("total", m["total"]), ("usable on the device", out["memory_capacity_bytes"])]  # fmt: skip
+            ("not live at once (logits / recompute / grads)", -m["not_concurrent"]),
+            ("total (the step's peak)", m["total"]),
+            ("reserved by the caching allocator (est.)", out["memory_reserved_bytes"]),
+            ("usable on the device", out["memory_capacity_bytes"])]  # fmt: skip
     for name, key in (("      of which CP ALiBi bias, per layer", "cp_alibi_bias_per_layer"),
                       ("      of which CP gathered K/V, per layer", "cp_gathered_kv_per_layer")):  # fmt: skip
         if det.get(key):
@@ -271,8 +301,15 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
         f"tokens/s per device: {out['tokens_per_s_per_device']:,.0f}   MFU: {out['mfu']:.1%}",
         f"configured tokens: {out['configured_tokens']:,} -> {out['days_for_configured_tokens']:,.2f} days",
     ]
+    if "goodput" in out:
+        from llmtrain.plan.goodput import Goodput
+        from llmtrain.plan.goodput import lines as goodput_lines
+
+        lines += ["", *goodput_lines(Goodput(**out["goodput"]))]
     for c in out["claims"]:
         lines.append(f"claim {c['claim']}: {c['verdict'].upper()} - {c['explanation']}")
+    for h in out.get("hints", []):
+        lines.append(f"hint: {h}")
     for w in out["warnings"]:
         lines.append(f"warning: {w}")
     if "search" in out:

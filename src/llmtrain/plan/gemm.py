@@ -20,7 +20,7 @@ three sizes (forward ``T x K @ K x N``, input gradient, weight gradient), so one
 
 **The GEMMs of a block** on one tensor-parallel rank, ``T`` tokens (micro-batch x seq / cp; under sequence
 parallel the projections see the gathered sequence), engine ``llmtrain`` (this trainer's separate
-projections) or ``megatron`` (fused QKV and gate-up GEMMs)::
+projections; also ``torchtitan``) or ``megatron`` / ``nemo`` (fused QKV and gate-up GEMMs)::
 
     attention   wq (h -> q/t), wk, wv (h -> kv/t), wo (q/t -> h)        | qkv (h -> (q + 2 kv)/t), proj
     mlp         w1, w3 (h -> I/t), w2 (I/t -> h)                          | fc1 (h -> 2 I/t), fc2
@@ -83,7 +83,7 @@ def _attention_gemms(args: TransformerArgs, lay: Layout, ps: ParamShape) -> list
     if getattr(args, "kv_lora_rank", 0):
         return [(h, ps.attention / (h * t), 1)]
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    if lay.bf16_weights:
+    if lay.megatron_engine:
         return [(h, (q + 2 * kv) / t, 1), (q / t, h, 1)]
     return [(h, q / t, 1), (h, kv / t, 2), (q / t, h, 1)]
 
@@ -91,7 +91,7 @@ def _attention_gemms(args: TransformerArgs, lay: Layout, ps: ParamShape) -> list
 def _mlp_gemms(h: int, width: float, lay: Layout, tp: int | None = None) -> list[tuple[float, float, int]]:
     """(K, N, count) of a gated MLP of ``width`` hidden units split over ``tp`` ranks (default ``lay.tp``)."""
     w = width / (lay.tp if tp is None else tp)
-    if lay.bf16_weights:
+    if lay.megatron_engine:
         return [(h, 2 * w, 1), (w, h, 1)]
     return [(h, w, 2), (w, h, 1)]
 

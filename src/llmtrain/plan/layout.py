@@ -11,8 +11,14 @@ choices of *how* the layout is executed that the planner cannot read from a conf
   kernels also under TP, sequence-parallel inputs saved sharded and gathered again in backward, the
   distributed optimizer's bf16 gradient buffer, fused QKV / gate-up GEMMs; ``nemo``: the same as NeMo runs it
   with its distributed Adam (Apex), which keeps only the 16-bit remainders of the fp32 master weights
-  (``store_param_remainders``, NeMo's default for bf16 models). The differences are in
-  :mod:`~llmtrain.plan.memory` and :mod:`~llmtrain.plan.timing`.
+  (``store_param_remainders``, NeMo's default for bf16 models); ``torchtitan``: PyTorch's torchtitan, the same
+  stack as this trainer (FSDP2, DTensor TP, torch pipelining) but run as torchtitan runs it: FSDP2 with a bf16
+  ``MixedPrecisionPolicy`` over fp32 master weights (fp32 gradients reduced and sharded, no autocast copies),
+  a bf16 residual stream, the gathered sequence-parallel inputs saved once each, the loss vocabulary-parallel
+  (``loss_parallel``), separate projection GEMMs, ring context parallel, TP collectives in line unless async TP
+  (``tp_overlap``), and ``selective`` recompute as its per-op policy (``selective_ac_option: op``: every
+  second matmul output, attention and reduce-scatter outputs saved, the rest recomputed). The differences are
+  in :mod:`~llmtrain.plan.memory` and :mod:`~llmtrain.plan.timing`.
 * ``tp_overlap``: tensor-parallel collectives overlap with the GEMMs that use them (Megatron
   ``--tp-comm-overlap`` / Transformer Engine userbuffers, torch async TP); off by default, as in this trainer.
 
@@ -53,7 +59,7 @@ MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 RECOMPUTE_MODES = ("none", "selective", "full", "offload")
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-ENGINES = ("llmtrain", "megatron", "nemo")
+ENGINES = ("llmtrain", "megatron", "nemo", "torchtitan")
 REDUCE_GRADS = ("auto", "per_step", "per_microbatch")
 
 
@@ -162,8 +168,19 @@ class Layout:
 
     @property
     def bf16_weights(self) -> bool:
-        """Megatron-style engines: bf16 weights and residual stream, no autocast copies."""
+        """Engines other than this trainer: bf16 compute weights and residual stream, no autocast copies."""
         return self.engine != "llmtrain"
+
+    @property
+    def megatron_engine(self) -> bool:
+        """Megatron-style engines (megatron, nemo): persistent bf16 weights and gradient buffer, fused QKV and
+        gate-up GEMMs, sequence-parallel inputs saved sharded, backward TP communication overlapped."""
+        return self.engine in ("megatron", "nemo")
+
+    @property
+    def torchtitan(self) -> bool:
+        """torchtitan's FSDP2 + bf16 mixed-precision policy (fp32 master sharded, fp32 gradients)."""
+        return self.engine == "torchtitan"
 
     @property
     def act_bytes(self) -> int:

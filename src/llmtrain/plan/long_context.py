@@ -51,7 +51,21 @@ from llmtrain.plan.layout import Layout
 from llmtrain.train.loss import resolve_loss_chunk
 
 LOGIT_BYTES_EXTRA = 4 + 4
-"""Per logit element beyond the activation dtype: the fp32 log-softmax and the fp32 gradient."""
+"""Per logit element beyond the activation dtype, the Megatron-style engines (vocabulary-parallel fused
+cross-entropy): the fp32 log-softmax and the fp32 gradient."""
+
+
+LLMTRAIN_LOGIT_BYTES = 12
+"""Bytes per logit element at this trainer's loss peak (train/step.py: the logits are a local of the forward,
+freed before ``backward``): the log-softmax backward holds its saved fp32 output, the fp32 gradient it
+receives and the fp32 gradient it returns; the forward's bf16 logits + fp32 copy + fp32 output are 10 (fp32
+runs: 8). Per chunk under the chunked loss. Measured with the step's peak on CPU (tests/test_plan.py)."""
+
+TORCHTITAN_LOGIT_BYTES = {False: 12, True: 14}
+"""Bytes per logit element at torchtitan's loss peak (``cross_entropy(pred.float(), labels)``, the bf16 logits
+deleted before backward), without / with TP: log-softmax's backward holds its saved fp32 output, the fp32
+gradient it receives and the fp32 gradient it returns (12); under ``loss_parallel`` the forward is DTensor's
+decomposed log-softmax, which holds the bf16 logits, their fp32 copy, the shifted copy and its exp at once (14)."""
 
 
 def trainer_cp(lay: Layout) -> bool:
@@ -147,6 +161,10 @@ def logits_bytes(args: TransformerArgs, lay: Layout, tokens: float) -> float:
     vocab = args.vocab_size / (lay.tp if lay.bf16_weights else 1)
     chunk = loss_chunk(args, lay)
     live = min(float(chunk), tokens) if chunk else tokens
+    if lay.torchtitan:  # the fp32 loss: its peak element bytes (TORCHTITAN_LOGIT_BYTES)
+        return live * vocab * TORCHTITAN_LOGIT_BYTES[lay.tp > 1]
+    if not lay.bf16_weights:  # this trainer: the log-softmax backward's peak (LLMTRAIN_LOGIT_BYTES)
+        return live * vocab * LLMTRAIN_LOGIT_BYTES
     return live * vocab * (lay.act_bytes + LOGIT_BYTES_EXTRA)
 
 

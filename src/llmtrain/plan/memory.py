@@ -23,6 +23,10 @@ Engine ``llmtrain`` (this trainer: fp32 parameters under ``torch.autocast``; und
 
 TP without FSDP adds the embedding's gradient, which comes back replicated (the whole vocab x h table).
 
+Engine ``torchtitan`` (FSDP2 with a bf16 ``MixedPrecisionPolicy``, the root too): parameters 4 / D, gradients
+4 / D (under PP the fp32 unsharded sum across micro-batches: FSDP2 upcasts the accumulated gradient to its fp32
+``reduce_dtype``), optimizer states 8 / D, the gathered blocks and root in bf16, no autocast copies.
+
 Engine ``megatron`` (distributed optimizer): parameters 2 (bf16 weights; / D under ZeRO-3) + 4 / D (fp32
 master; engine ``nemo``: 2 / D, the 16-bit remainders NeMo's distributed Adam stores), gradients 2 (the bf16
 gradient buffer, Megatron-Core's default; 4 under ZeRO-0, fp32 main grads), optimizer states 8 / D, no cast
@@ -40,6 +44,9 @@ bf16/fp16, 4 under fp32; h hidden, I the MLP width, q/kv/o the projection widths
               mlp        4 a I / t                            (w1 out, activation out, w3 out, product)
     megatron  (2 x 2 a h + 8 + a (q + 2 kv + o) + 4 heads + 3 a I) / t: norm inputs and outputs saved
               sharded (gathered again in backward), fused gate-up output + activation output
+    torchtitan 2 x ((a h + 4) / t + a h) + a (q + 2 kv + o) / t + 4 heads / t + 4 a I / t: bf16 norm inputs
+              and rstd, each gathered norm output saved once (whole); ``selective`` is its per-op policy
+              (:func:`sac_op_bytes`)
 
 (the llmtrain figures were counted tensor by tensor on gloo with saved-tensor hooks and match to the byte:
 ``tests/test_plan.py::test_activation_bytes_match_saved_tensors``). An MoE block replaces the MLP term by
@@ -55,11 +62,18 @@ megatron engines).
 ``selective`` recomputes one block in ``recompute_every``. In flight on pipeline rank r (M micro-batches):
 gpipe M, 1f1b min(pp - r, M), interleaved / zero-bubble ``min(M v, 2 (pp - r - 1) + (v - 1) pp + 1) / v``
 (Megatron's warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0), zbv min(pp, M).
-The head rank adds the logits of one micro-batch (llmtrain: the full vocabulary, gathered; megatron: the
-vocabulary-parallel shard): bf16 logits + fp32 log-softmax + fp32 gradient; under the chunked loss
-(``train.loss_chunk_tokens``, the trainer's own rule) ``min(chunk, tokens)`` tokens' worth. Context parallel as
-the trainer runs it adds each layer's gathered K/V (:func:`layer_bytes`; ALiBi: its bias too), per micro-batch
-in flight the additive mask all layers share and, once, the boolean mask (``details``), and
+The head rank adds the logits of one micro-batch (llmtrain: the full vocabulary, gathered; megatron and
+torchtitan: the vocabulary-parallel shard) at the loss's peak bytes per element (llmtrain 12, torchtitan 12 /
+14 under ``loss_parallel``, megatron 10: :func:`~llmtrain.plan.long_context.logits_bytes`); under the chunked
+loss (``train.loss_chunk_tokens``, the trainer's own rule) ``min(chunk, tokens)`` tokens' worth.
+
+The items are each one's own peak; the total is the step's: :func:`concurrency_overlap` removes what the
+logits, a recomputed block and gradients freed every step count in phases that never meet
+(``MemoryEstimate.not_concurrent``; checked against torch's MemTracker on CPU within 10%), and
+:attr:`MemoryEstimate.reserved` adds the caching allocator's reserve (:data:`ALLOCATOR_RESERVE`).
+
+Context parallel as the trainer runs it adds each layer's gathered K/V (:func:`layer_bytes`; ALiBi: its bias
+too), per micro-batch in flight the additive mask all layers share and, once, the boolean mask (``details``), and
 ``recompute: offload`` moves the saved activations to ``host_bytes``, one block's worth staying on the device:
 :mod:`~llmtrain.plan.long_context`.
 """
@@ -89,6 +103,12 @@ from llmtrain.plan.long_context import (
 
 MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 
+ALLOCATOR_RESERVE = 0.125
+"""What a device's caching allocator reserves beyond the allocated peak, as a fraction of it (block rounding,
+cached segments a larger request cannot reuse): :attr:`MemoryEstimate.reserved`. One global value, the
+0.025-grid optimum of the planned / measured error on the fit half of the measured-memory runs (torchtitan's 1-D FSDP
+tables, Memory(GiB) = max reserved; tests/test_plan_published.py); the other measured runs are held out."""
+
 
 @dataclass
 class MemoryEstimate:
@@ -103,17 +123,29 @@ class MemoryEstimate:
     stage: int
     details: dict[str, float] = field(default_factory=dict)
     host_bytes: float = 0.0
+    not_concurrent: float = 0.0
+    """Bytes two items count that are never live at once (:func:`concurrency_overlap`): the items are each
+    one's own peak, the total is the step's peak."""
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.other
+        items = self.parameters + self.gradients + self.optimizer_states + self.activations + self.other
+        return items - self.not_concurrent
+
+    @property
+    def reserved(self) -> float:
+        """The caching allocator's reserved peak: :attr:`total` plus :data:`ALLOCATOR_RESERVE` of it (what
+        ``max_memory_reserved`` reports; the allocator frees cached blocks and retries before it runs out, so
+        :attr:`fits` compares the allocated peak)."""
+        return self.total * (1 + ALLOCATOR_RESERVE)
 
     @property
     def fits(self) -> bool:
         return self.total <= self.capacity
 
     def as_dict(self) -> dict[str, float]:
-        keys = ("parameters", "gradients", "optimizer_states", "activations", "other")
+        """The items, ``not_concurrent`` (subtracted) and ``total`` = items - not_concurrent."""
+        keys = ("parameters", "gradients", "optimizer_states", "activations", "other", "not_concurrent")
         return {**{k: float(getattr(self, k)) for k in keys}, "total": float(self.total)}
 
 
@@ -133,6 +165,14 @@ def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False
     n_norms = 4 if getattr(args, "post_norms", False) else 2
     attention = (a * (qkv + o) + 4 * args.num_heads) / t
     k, hm, s, e = args.top_k, args.moe_hidden_size, args.shared_experts, args.num_experts
+    if lay.torchtitan:  # norm inputs sharded + rstd, each norm output gathered once (saved whole)
+        norms = n_norms * ((a * h + 4) / t + a * h)
+        if not moe:
+            return norms + attention + 4 * a * args.intermediate_size / t
+        share = lay.dispatch_share
+        experts = 2 * a * k * h * share + 4 * a * k * hm * lay.expert_rows_share / lay.etp + a * k * h * share
+        ffn = 4 * e + 12 * k + experts + (4 * a * s * hm / t if s else 0.0)
+        return norms + attention + ffn
     if lay.bf16_weights:
         norms = n_norms * (2 * a * h + 4) / t
         if not moe:
@@ -155,6 +195,25 @@ def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False
     experts = 2 * a * k * h * share + 4 * a * k * hm * lay.expert_rows_share / lay.etp + a * k * h * share
     shared = (casts * a * h + 4 * a * s * hm / t) if s else 0.0
     return norms + gathered_attn + attention + router + experts + shared
+
+
+def sac_op_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
+    """Bytes per token torchtitan's per-op selective recompute keeps of one block (``selective_ac_option: op``):
+    the block's input, the outputs of every second matmul (wq, wv, w1, w2 of a dense block: 1st, 3rd, 5th,
+    7th; w2's is the whole partial sum before its reduce-scatter under TP), attention's output and logsumexp,
+    and under TP the two reduce-scatter outputs. An MoE block keeps its routed rows' expert inputs instead
+    of w1 / w2 (the dispatch is recomputed)."""
+    h, t, a = args.hidden_size, lay.tp, lay.act_bytes
+    qkv, o = _proj_widths(args)
+    if getattr(args, "kv_lora_rank", 0):  # MLA: the query and value widths of its FLOP count
+        saved_proj = 2 * qkv / 3
+    else:  # wq and wv
+        saved_proj = (args.num_heads + args.num_kv_heads) * args.head_dim
+    out = a * h / t + a * saved_proj / t + a * o / t + 4 * args.num_heads / t
+    out += 2 * a * h / t if t > 1 else 0.0
+    if moe:
+        return out + a * args.top_k * h * lay.dispatch_share + a * h
+    return out + a * args.intermediate_size / t + a * h
 
 
 def block_input_bytes(lay: Layout, hidden: int) -> float:
@@ -185,6 +244,24 @@ def in_flight(lay: Layout, rank: int) -> float:
     return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
 
 
+def concurrency_overlap(
+    lay: Layout, saved: float, transient: float, logits: float, grads: float, block_grad: float = 0.0
+) -> float:
+    """Bytes the itemised sum counts twice for phases that never meet: the loss's logits peak at the end of
+    the forward and the start of the backward; a recomputed block's activations and one block's unsharded
+    gradient before its reduce-scatter (``block_grad``) exist during the backward only; and gradients that are
+    freed every step (``zero_grad(set_to_none=True)``: every engine but the Megatron-style ones, whose gradient
+    buffer is persistent, and every layout without accumulation) grow during the backward while the saved
+    activations are released. With ``b = recomputed + block_grad``, the peak of these is ``max(saved + logits,
+    saved + b, b + gradients)`` (at layer ``i`` of the backward: the saved activations below ``i``, the
+    gradients above it and the block in hand); measured on CPU with torch's MemTracker, one process and two
+    gloo ranks (``tests/test_plan.py::test_step_peak_matches_the_planner``)."""
+    live_grads = 0.0 if (lay.megatron_engine or lay.grad_accum > 1) else grads
+    backward = transient + block_grad
+    summed = saved + backward + logits + live_grads
+    return summed - max(saved + logits, saved + backward, backward + live_grads)
+
+
 def estimate_memory(args: TransformerArgs, layout: Layout, capacity: float = math.inf) -> MemoryEstimate:
     """Itemised bytes per device of ``layout``; the worst pipeline rank is reported."""
     worst: MemoryEstimate | None = None
@@ -207,7 +284,7 @@ def _state_bytes(
     accumulating = lay.grad_accum > 1 and lay.grad_sync == "per_step"
     out = {"optimizer_states": ADAM_BYTES * sharded, "gathered_parameters": 0.0, "autocast_weight_copies": 0.0,
            "unsharded_gradients": 0.0}  # fmt: skip
-    if lay.bf16_weights:
+    if lay.megatron_engine:
         weights = (whole / d if lay.zero_stage == 3 else whole) * a
         master = 2 if lay.engine == "nemo" and lay.zero_stage > 0 else MASTER_BYTES  # NeMo: 16-bit remainders
         out["parameters"] = weights + master * sharded
@@ -219,11 +296,12 @@ def _state_bytes(
     # experts under EP: their own FSDP over the edp replicas with ZeRO >= 1, else outside FSDP (whole, / ep etp)
     fsdp = dense + (expert if lay.ep == 1 or lay.expert_fsdp else 0.0)
     # bf16/fp16 under FSDP: the blocks are gathered in 16 bits (MixedPrecisionPolicy), the root in fp32
-    policy = lay.precision != "fp32" and (lay.dp > 1 or lay.cp > 1)
+    policy = lay.precision != "fp32" and (lay.dp > 1 or lay.cp > 1 or lay.torchtitan)
     gathered = a if policy else MASTER_BYTES  # bytes of a gathered block parameter
+    root_bytes = a if lay.torchtitan else MASTER_BYTES  # torchtitan: the root under the policy too
     unsharded = a * (fsdp - root) if policy else 0.0  # a shard group of 1 gathers nothing, but casts
     if d > 1:
-        unsharded = gathered * (fsdp - root) + MASTER_BYTES * root
+        unsharded = gathered * (fsdp - root) + root_bytes * root
     if lay.zero_stage == 0:
         grads = GRAD_BYTES * whole
         out["gathered_parameters"] = unsharded
@@ -234,10 +312,12 @@ def _state_bytes(
         grads = GRAD_BYTES * sharded + (GRAD_BYTES * whole if accumulating else 0.0)
         if lay.grad_sync == "replicate_per_step":
             grads += GRAD_BYTES * sharded
-        out["gathered_parameters"] = gathered * 2 * block + MASTER_BYTES * root
+        out["gathered_parameters"] = gathered * 2 * block + root_bytes * root
     if not accumulating and lay.zero_stage > 0 and d > 1:
         out["unsharded_gradients"] = GRAD_BYTES * block  # one block's gradient before its reduce-scatter
     out["gradients"] = grads
+    if lay.torchtitan:  # no autocast: the policy casts every parameter, experts outside FSDP are bf16 already
+        return out
     if policy:  # what autocast still casts: the head (root, fp32) and experts outside FSDP (EP)
         outside = expert if lay.ep > 1 and not lay.expert_fsdp else 0.0
         out["autocast_weight_copies"] = a * (root - uncast + outside)
@@ -276,18 +356,28 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         stored, transient, offloaded = 0.0, biggest, full_set * n_flight
     elif lay.recompute == "full":
         stored, transient = shape.layers * boundary, biggest
+    elif lay.recompute == "selective" and lay.torchtitan:
+        # torchtitan's per-op policy: the saved op outputs of every block, one block recomputed at a time
+        per_token = shape.dense_layers * sac_op_bytes(args, lay) + shape.moe_layers * sac_op_bytes(
+            args, lay, True
+        )
+        stored, transient = tokens * per_token, biggest
     elif lay.recompute == "selective":
         frac = 1.0 / max(lay.recompute_every, 1)
         stored, transient = frac * shape.layers * boundary + (1 - frac) * full_set, biggest
     else:
         stored, transient = full_set, 0.0
-    activations = stored * n_flight + transient + boundary * n_flight
+    saved = stored * n_flight + boundary * n_flight
+    activations = saved + transient
 
     dispatch = 0.0
     if shape.moe_layers and lay.ep > 1:  # one layer's all-to-all send + receive buffers
         rows = tokens * lay.dispatch_share * args.top_k * args.hidden_size
         dispatch = 2 * rows * (lay.act_bytes if lay.bf16_weights else 4)
     logits = logits_bytes(args, lay, tokens) if shape.head else 0.0
+    if shape.head and lay.torchtitan:
+        # the final norm's input (sharded) and rstd, and its gathered output (saved whole by the head)
+        logits += tokens * (lay.act_bytes * args.hidden_size * (1 + 1 / lay.tp) + 4 / lay.tp)
     details = {
         "gathered_parameters": st["gathered_parameters"],
         "autocast_weight_copies": st["autocast_weight_copies"],
@@ -298,6 +388,7 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         "cp_additive_mask": cp_additive_mask_bytes(args, lay) * n_flight,  # one per micro-batch in flight
     }
     cp_terms = cp_layer_bytes(args, lay)
+    overlap = concurrency_overlap(lay, saved, transient, logits, grads, st["unsharded_gradients"])
     return MemoryEstimate(
         parameters=params,
         gradients=grads,
@@ -312,6 +403,7 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
                  "cp_gathered_kv_per_layer": cp_terms["gathered_kv"], "cp_alibi_bias_per_layer": cp_terms["mask"],
                  "activations_offloaded": offloaded},
         host_bytes=host + offloaded,
+        not_concurrent=overlap,
     )  # fmt: skip
 
 
@@ -321,6 +413,7 @@ def min_state_bytes_per_device(args: TransformerArgs, world_size: int) -> float:
 
 
 __all__ = [
-    "PRECISION_BYTES", "RECOMPUTE_MODES", "SCHEDULES", "Layout", "MemoryEstimate", "estimate_memory",
-    "in_flight", "layer_activation_bytes", "layer_bytes", "min_state_bytes_per_device",
+    "ALLOCATOR_RESERVE", "PRECISION_BYTES", "RECOMPUTE_MODES", "SCHEDULES", "Layout", "MemoryEstimate",
+    "concurrency_overlap", "estimate_memory", "in_flight", "layer_activation_bytes", "layer_bytes",
+    "min_state_bytes_per_device", "sac_op_bytes",
 ]  # fmt: skip

@@ -16,8 +16,9 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
   recomputed blocks.
 * **TP** (sequence parallel): per block 4 all-gathers + 4 reduce-scatters of ``T x h`` (+4 with full
   recompute); engine ``llmtrain`` gathers the fp32 norm outputs (and reduce-scatters their fp32 gradients),
-  ``megatron`` moves bf16 and gathers the two saved inputs again in backward (+2). ``llmtrain`` runs them in
-  line (exposed); ``megatron`` hides the backward ones behind ``tp_overlap_fraction`` of the backward GEMMs
+  ``megatron`` moves bf16 and gathers the two saved inputs again in backward (+2), ``torchtitan`` moves bf16
+  and saves the gathered inputs (no +2). ``llmtrain`` and ``torchtitan`` run them in line (exposed, unless
+  ``tp_overlap``: async TP); ``megatron`` hides the backward ones behind ``tp_overlap_fraction`` of the backward GEMMs
   (its linear layers overlap them with the dgrad / wgrad GEMMs); ``tp_overlap`` hides the forward ones behind
   the forward GEMMs as well. ``llmtrain`` also all-gathers the logits over the vocabulary.
 * **EP** all-to-all: per MoE block 2 exchanges forward (dispatch, combine) and 2 backward (+2 with full
@@ -229,9 +230,12 @@ def _rank_time(
     if t > 1:
         bw = group_bandwidth(cluster, t, 1, eff)
         msg = tokens * h
-        if mega:  # bf16; backward gathers the two saved inputs again
+        if lay.megatron_engine:  # bf16; backward gathers the two saved inputs again
             one = _collective(msg * a, t, bw, eff)
             fwd, bwd = (4 + 4 * rc) * one, 6 * one
+        elif mega:  # torchtitan: bf16, the gathered inputs are saved (nothing gathered again in backward)
+            one = _collective(msg * a, t, bw, eff)
+            fwd, bwd = (4 + 4 * rc) * one, 4 * one
         else:  # the norm outputs are gathered in fp32 (and their gradients reduce-scattered in fp32)
             gathered = MASTER_BYTES if lay.precision != "fp32" else a
             pair = _collective(msg * gathered, t, bw, eff) + _collective(msg * a, t, bw, eff)
@@ -241,7 +245,9 @@ def _rank_time(
             fwd_exposed = max(0.0, fwd - f * (1 + rc) * gemm_s / 3) if lay.tp_overlap else fwd
             # Megatron's linear layers overlap the backward gathers / reduce-scatters with the dgrad / wgrad
             # GEMMs even without --tp-comm-overlap; torch TP runs them in line
-            bwd_exposed = max(0.0, bwd - f * 2 * gemm_s / 3) if (lay.tp_overlap or mega) else bwd
+            bwd_exposed = (
+                max(0.0, bwd - f * 2 * gemm_s / 3) if (lay.tp_overlap or lay.megatron_engine) else bwd
+            )
             tp += n_layers * (fwd_exposed + bwd_exposed)
         if shape.head and not mega:
             tp += _collective(tokens * v * a, t, bw, eff)  # the logits gathered over the vocabulary
@@ -284,7 +290,7 @@ def _dp_traffic(
     mega = lay.bf16_weights
     fsdp = dense + (expert if lay.ep == 1 else 0.0)  # under EP the experts have their own group, below
     pbytes = lay.act_bytes if mega else MASTER_BYTES  # gathered parameter dtype
-    gbytes = lay.act_bytes if (mega and lay.zero_stage > 0) else 4  # reduced gradient dtype
+    gbytes = lay.act_bytes if (lay.megatron_engine and lay.zero_stage > 0) else 4  # reduced gradient dtype
     shard = lay.dp_shard * cp if lay.zero_stage > 0 else 1
     rep = lay.dp_replicate if lay.zero_stage > 0 else lay.dp * cp
     shard_bw = group_bandwidth(cluster, shard, t, eff)

@@ -14,6 +14,7 @@ import html
 import json
 import time
 
+from llmtrain.report.membership import membership_table
 from llmtrain.report.plots import plot_titles
 from llmtrain.report.run_data import RunData, summary_value
 
@@ -131,6 +132,6 @@ def render_page(run: RunData, svgs: dict[str, str], plan: dict | None, plan_note
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
         f"<style>{CSS}</style><script>{ERROR_HOOK}</script></head><body><h1>{title}</h1>{header(run, plan, plan_note)}"
-        f'<h2>Plots</h2><div class="plots">{figures}</div><h2>Events</h2>{events_table(run)}'
+        f'<h2>Plots</h2><div class="plots">{figures}</div>{membership_table(run)}<h2>Events</h2>{events_table(run)}'
         f"<script>{SCRIPT}</script></body></html>\n"
     )

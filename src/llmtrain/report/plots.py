@@ -4,7 +4,9 @@ Every plot function takes the :class:`RunData` and an ``Axes`` and draws on it; 
 ``{plot_id: svg_text}`` for every id in :data:`PLOTS`, always - a run without the data for a plot gets the plot
 with a "no data yet" note, so the page's layout (and the DOM test) does not depend on what the run logged.
 Stage boundaries are dotted vertical lines on every step-axis plot; the loss plot also marks rollbacks
-(the abandoned rows faint, the re-trained window shaded) and skipped NaN steps.
+(the abandoned rows faint, the re-trained window shaded) and skipped NaN steps. ``layer_grad_norm`` is a heat-map
+of the per-layer gradient norms (``grad_norm/layer_NN``, train/health.py), layers by steps, so a layer whose
+gradients run away stands out before the global norm shows it.
 
 Downstream scores (the ``eval/<task>/<metric>`` fields of in-loop evaluations) get one plot each, after the
 fixed ones: :func:`plot_titles` lists them for the run (id ``eval-<task>-<metric>``), with the standard error
@@ -31,13 +33,15 @@ PLOTS: dict[str, str] = {
     "time_split": "Step time split: compute / communication / data / downstream eval / other",
     "rank_step_time": "Per-rank busy time per step (s)",
     "events": "Events timeline",
+    "layer_grad_norm": "Per-layer gradient norm (heat-map, log colour scale)",
+    "health": "Output logit RMS and attention-logit bound",
 }
 SPLIT = (("time_compute_frac", "compute"), ("time_comm_frac", "communication"), ("time_data_frac", "data"),
          ("time_eval_frac", "downstream eval"), ("time_other_frac", "other"))  # fmt: skip
 OPTIONAL_SPLIT = ("time_eval_frac",)  # absent from runs made before it existed: 0
 EVENT_KINDS = ("run_start", "checkpoint", "rollback", "rollback_done", "skip", "resumed", "preempted",
                "straggler", "stage_start", "stage_end", "checkpoint_fallback", "profile",
-               "downstream_eval")  # fmt: skip
+               "downstream_eval", "replica_lost", "replica_joined", "heal")  # fmt: skip
 
 
 def _xy(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -158,6 +162,40 @@ def _events(run: RunData, ax) -> bool:
     return True
 
 
+def _layer_grad_norms(run: RunData, ax) -> bool:
+    """``grad_norm/layer_NN`` of every log row (train/health.py) as a layers x steps heat-map."""
+    rows = [r for r in run.latest() if any(k.startswith("grad_norm/layer_") for k in r)]
+    keys = sorted({k for r in rows for k in r if k.startswith("grad_norm/layer_")}, key=lambda k: int(k[16:]))
+    if not rows or not keys:
+        return False
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    grid = np.array([[float(r.get(k) or np.nan) for r in rows] for k in keys])  # [layers, steps]
+    grid[~np.isfinite(grid) | (grid <= 0)] = np.nan
+    if np.isnan(grid).all():
+        return False
+    steps = [int(r["step"]) for r in rows]
+    mesh = ax.pcolormesh(steps, range(len(keys)), grid, shading="nearest", cmap="viridis",
+                         norm=LogNorm(vmin=np.nanmin(grid), vmax=np.nanmax(grid)))  # fmt: skip
+    ax.figure.colorbar(mesh, ax=ax, label="grad norm")
+    ax.set_ylabel("layer")
+    return True
+
+
+def _health(run: RunData, ax) -> bool:
+    x, y = _xy(run.latest(), "logit_rms")
+    bx, by = _xy(run.latest(), "attn_logit_bound")
+    if not x and not bx:
+        return False
+    if x:
+        ax.plot(x, y, lw=1.2, label="output logit RMS")
+    if bx:
+        ax.plot(bx, by, lw=1.2, label="max |q| |k| / sqrt(d) (attention-logit bound)")
+    ax.legend(fontsize=7)
+    return True
+
+
 DRAW: dict[str, Callable] = {
     "loss": _loss,
     "lr": _series("lr", "lr"),
@@ -169,6 +207,8 @@ DRAW: dict[str, Callable] = {
     "time_split": _time_split,
     "rank_step_time": _rank_times,
     "events": _events,
+    "layer_grad_norm": _layer_grad_norms,
+    "health": _health,
 }
 
 

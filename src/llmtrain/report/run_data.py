@@ -1,6 +1,7 @@
 """Reading a run directory for the report, tolerant of runs that are still going or that crashed.
 
-``load_run(run_dir)`` reads ``metrics.jsonl`` (a last line cut mid-write is skipped and counted),
+``load_run(run_dir)`` reads ``metrics.jsonl`` (a line cut mid-write, garbage or of the wrong types is skipped
+and counted, by the trainer's rule),
 ``events.jsonl`` (optional), ``config.yaml`` (optional, ``yaml.safe_load``) and returns a :class:`RunData` with
 the train rows and validation rows in file order. A rollback makes the step counter go back and the steps after
 the restored one are logged again; :meth:`RunData.latest` keeps the last row per step (the timeline that
@@ -11,7 +12,7 @@ when it cannot (no config, a config the planner does not know, a device not in t
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,20 +23,22 @@ import yaml
 from llmtrain.errors import DataError
 
 
-def read_jsonl(path: Path) -> tuple[list[dict], int]:
-    """Rows of a JSONL file and the number of lines that did not parse (a torn last write)."""
-    if not path.exists():
+def read_jsonl(path: Path, kind: str = "metrics") -> tuple[list[dict], int]:
+    """Rows of ``metrics.jsonl`` (``kind="metrics"``) or ``events.jsonl`` (``"events"``) and the number of lines
+    that are not rows (a torn last write, garbage bytes, wrong types): the trainer's rule
+    (``llmtrain.train.metrics.parse_row``), so the report shows exactly the rows a resumed run keeps."""
+    from llmtrain.train.metrics import parse_row
+
+    if not path.is_file():
         return [], 0
     rows, bad = [], 0
-    for line in path.read_text(errors="replace").splitlines():
+    for line in path.read_bytes().splitlines():
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+        row = parse_row(line, kind)
+        if row is None:
             bad += 1
-            continue
-        if isinstance(row, dict):
+        else:
             rows.append(row)
     return rows, bad
 
@@ -93,7 +96,7 @@ class RunData:
         if starts:
             return int(starts[-1].get("max_steps", 0)) or None
         value = self.config.get("train", {}).get("max_steps")
-        return int(value) if value else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     def status(self) -> str:
         rows = self.latest()
@@ -108,6 +111,27 @@ class RunData:
         return f"incomplete: step {last} of {total or '?'} (still running, or stopped/crashed{ago})"
 
 
+_EVENT_INTS = ("step", "detected_step", "max_steps", "world_size", "num_params")
+_EVENT_NUMBERS = ("time", "step_time")
+
+
+def event_fields_ok(event: dict) -> bool:
+    """Whether the fields of an event the report reads have their types: integers >= 0 (:data:`_EVENT_INTS`),
+    finite numbers (:data:`_EVENT_NUMBERS`), ``hosts`` a list of names, ``layout`` a mapping."""
+    for key in _EVENT_INTS:
+        v = event.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            return False
+    for key in _EVENT_NUMBERS:
+        v = event.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)):
+            return False
+    hosts, layout = event.get("hosts"), event.get("layout")
+    if hosts is not None and not (isinstance(hosts, list) and all(isinstance(h, str) for h in hosts)):
+        return False
+    return layout is None or isinstance(layout, dict)
+
+
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
@@ -117,14 +141,17 @@ def load_run(run_dir: str | Path) -> RunData:
             f"training run."
         )
     rows, bad = read_jsonl(metrics)
-    events, bad_events = read_jsonl(run_dir / "events.jsonl")
+    events, bad_events = read_jsonl(run_dir / "events.jsonl", "events")
+    kept = [e for e in events if event_fields_ok(e)]  # an event whose fields the page reads have wrong types
+    events, bad_events = kept, bad_events + len(events) - len(kept)
     config: dict = {}
     if (run_dir / "config.yaml").exists():
         try:
-            loaded = yaml.safe_load((run_dir / "config.yaml").read_text())
+            loaded = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
             config = loaded if isinstance(loaded, dict) else {}
-        except yaml.YAMLError:
+        except (yaml.YAMLError, OSError, UnicodeDecodeError, RecursionError):
             config = {}
+        config = {k: v for k, v in config.items() if isinstance(v, dict)}  # sections only (page reads .get)
     rows = [r for r in rows if isinstance(r.get("step"), (int, float))]
     return RunData(
         run_dir=run_dir,

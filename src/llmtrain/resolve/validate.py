@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from llmtrain.config.loader import choice_error, literal_values
 from llmtrain.config.ranges import check_config_ranges
 from llmtrain.config.schema import Config
+from llmtrain.config.survival import check_watch
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.feasibility import layout_problems, raise_fatal
 from llmtrain.resolve.derived import Derived, derive
@@ -69,8 +70,10 @@ def validate(cfg: Config, world_size: int = 1, require_data: bool = True) -> lis
 def check_config(cfg: Config, world_size: int = 1, require_data: bool = True) -> tuple[Derived, list[str]]:
     """:func:`validate` that also returns the Derived figures it computed (used by ``llmtrain check``)."""
     from llmtrain.data.loader import parse_mixture
+    from llmtrain.ft.layout import check_group as check_replica_group
 
     _check_fields(cfg)
+    check_replica_group(cfg, world_size)  # fault_tolerance: world_size is one replica group's (ft/layout.py)
     warnings: list[str] = []
     _check_downstream(cfg)
     _check_fp8(cfg, require_data, warnings)
@@ -121,6 +124,7 @@ def _check_stages(
                 f"stage or in none."
             )
         _check_long_context(plan.cfg, where)
+        check_watch(plan.cfg.stability.watch, where)
         for j, spec in enumerate(cfg.stages[plan.index].datasets):
             key = f"stages[{plan.index}].datasets[{j}].path"
             absent = missing_files(spec.path)
@@ -197,6 +201,7 @@ def _check_fields(cfg: Config) -> None:
             if item not in allowed:
                 raise ConfigError(choice_error(key, item, allowed, _HINTS.get(key, "")))
     check_config_ranges(cfg)  # every number against its range (config/ranges.py, the loader's table too)
+    check_watch(cfg.stability.watch)  # loss, grad_norm or a health figure's name (config/survival.py)
     train = cfg.train
     if train.min_lr > train.lr:
         raise ConfigError(

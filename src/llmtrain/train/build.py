@@ -28,11 +28,13 @@ from llmtrain.data.describe import DatasetInfo, describe_dataset
 from llmtrain.data.loader import BatchIterator, build_datasets
 from llmtrain.distributed.device import init_distributed, init_local_group, resolve_device
 from llmtrain.distributed.parallelize import compiles, parallelize
+from llmtrain.ft.layout import first_group
 from llmtrain.models import Transformer, build_model
 from llmtrain.models.common.moe import MoEStepStats
 from llmtrain.resolve.run import ResolvedRun, resolve_run
 from llmtrain.resolve.stages import StagedLR
 from llmtrain.train.checkpoint import Checkpointer, ResumeChoice
+from llmtrain.train.checkpoint.layout import root_of_run
 from llmtrain.train.curriculum import Curriculum, recompute_superset
 from llmtrain.train.fault import FaultInjector
 from llmtrain.train.optim import build_optimizer
@@ -95,9 +97,12 @@ def build_run(cfg: Config) -> RunParts:
     train_samples, valid_samples = build_datasets(cfg)
     data = describe_dataset(cfg.data.datasets[0].path, cfg.data.tokenizer, "data.datasets[0].path")
     run = resolve_run(cfg, world_size, cast(int, data.vocab_size), len(train_samples))
-    lock = RunLock(run_dir).acquire() if rank == 0 else None  # one live run per directory (train/rundir.py)
+    first = first_group()  # replica groups (ft/): the run's lock and config.yaml are group 0's
+    # one live run per run directory and per checkpoint directory (train/rundir.py)
+    ckpt_root = root_of_run(run_dir, cfg.checkpoint.save_dir)
+    lock = RunLock(run_dir, ckpt_root).acquire() if rank == 0 and first else None
     try:
-        if rank == 0:
+        if rank == 0 and first:
             write_resolved_config(run.cfg, run_dir)
         return _build_parts(run, device, world_size, rank, run_dir, train_samples, valid_samples, data, lock)
     except BaseException:  # nothing of this run will use the directory: free it

@@ -125,7 +125,8 @@ class MetricsCallback(Callback):
             "tokens_seen": trainer.tokens_seen,
             "stage": trainer.stage_name,
             "consumed_tokens": trainer.consumed_tokens(),
-            **{k: v for k, v in out.items() if k.startswith("moe_")},
+            **{k: v for k, v in out.items() if k.startswith("moe_") or k == "replicas"},  # replicas: groups
+            **out.get("health", {}),  # per-layer norms, logit RMS, ... of the log step (train/health.py)
             **monitor,
         }
         trainer.log_row(row)

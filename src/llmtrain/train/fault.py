@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from llmtrain.config.schema import FaultConfig
 from llmtrain.errors import HANG_EXIT_CODE
+from llmtrain.ft.layout import REPLICA_ENV
 from llmtrain.train.checkpoint.layout import data_files, step_of
 
 KINDS = ("kill", "hang", "nan", "spike", "crash_in_save", "corrupt_checkpoint")
@@ -65,11 +66,20 @@ class FaultInjector:
         self.cfg = cfg if cfg is not None else FaultConfig()
         self.rank = rank
         self.vocab_size = vocab_size
-        self.record = Path(run_dir) / f"faults_fired_rank{rank}.json"
+        # replica groups (ft/): rank r of group g is "replica g, rank r"; each group keeps its own record
+        raw = os.environ.get(REPLICA_ENV)
+        self.replica = int(raw) if raw is not None and raw.isdigit() else None
+        group = f"_replica{self.replica}" if self.replica is not None else ""
+        self.record = Path(run_dir) / f"faults_fired{group}_rank{rank}.json"
         self.fired: set[str] = set(json.loads(self.record.read_text())) if self.record.exists() else set()
 
-    def _due(self, kind: str, step: int, steps: list[int], every_rank: bool = False) -> bool:
+    def _due(
+        self, kind: str, step: int, steps: list[int], every_rank: bool = False, replica: int | None = None
+    ) -> bool:
         if step not in steps or (not every_rank and self.cfg.rank not in (-1, self.rank)):
+            return False
+        want = self.cfg.replica if replica is None else replica  # the group (replica groups only)
+        if self.replica is not None and want not in (-1, self.replica):
             return False
         key = f"{kind}@{step}"
         if key in self.fired:
@@ -85,7 +95,9 @@ class FaultInjector:
 
     # ---- step hooks
     def before_step(self, step: int, batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        if self._due("kill", step, self.cfg.kill_at_step):
+        kills, groups = self.cfg.kill_at_step, self.cfg.kill_replicas  # groups: one per kill, or none
+        group = groups[kills.index(step)] if groups and step in kills else None
+        if self._due("kill", step, kills, replica=group):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("hang", step, self.cfg.hang_at_step):
             time.sleep(self.cfg.hang_seconds)

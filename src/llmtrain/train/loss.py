@@ -14,6 +14,14 @@ cross-entropy itself runs as one compiled function, :func:`token_cross_entropy` 
 fp32 cast, log-softmax and NLL fuse into one kernel forward and one backward (eager runs five passes over the
 ``[tokens, vocab]`` logits). Same result up to float rounding (tests/test_loss_compile.py).
 
+``train.z_loss`` (PaLM, Chowdhery et al. 2022, "z-loss"): the summed loss also gets ``coef * log(Z)^2`` per
+target token, ``log Z = logsumexp(logits)``, which keeps the softmax normaliser near 1 and the logits from
+drifting. It is computed inside the same function as the cross-entropy, so the chunked loss adds it per chunk
+and still never holds the full ``[tokens, vocab]`` logits; its gradient, ``2 coef log Z softmax(logits)``, comes
+from autograd through the recomputed chunk like the cross-entropy's. Ignored targets (-100) contribute nothing.
+:class:`LogitStats` collects the output logits' sum of squares and count (on log steps only) for the health
+metric ``logit_rms`` (train/health.py), from the chunks as they pass, also without keeping them.
+
 ``train.loss_chunk_tokens``: 0 = off, N > 0 = chunks of N tokens, None (default) = automatic, i.e.
 :data:`AUTO_CHUNK_TOKENS` when the vocabulary has at least :data:`AUTO_MIN_VOCAB` entries and the layout has
 neither tensor nor pipeline parallelism (both compute the loss elsewhere: TP's head returns replicated
@@ -43,13 +51,42 @@ def resolve_loss_chunk(setting: int | None, vocab_size: int, tp: int = 1, pp: in
 
 
 def token_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, z_loss: float = 0.0
 ) -> torch.Tensor:
-    """Summed fp32 cross-entropy of ``logits [..., vocab]`` against ``labels [...]`` (ignore index -100)."""
-    return F.cross_entropy(
-        logits.float().flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=-100,
-        label_smoothing=label_smoothing,
-    )  # fmt: skip
+    """Summed fp32 cross-entropy of ``logits [..., vocab]`` against ``labels [...]`` (ignore index -100), plus
+    ``z_loss * sum(logsumexp(logits)^2)`` over the targets that are not ignored when ``z_loss`` > 0."""
+    flat = logits.float().flatten(0, -2)  # [N, vocab]
+    flat_labels = labels.flatten()
+    loss = F.cross_entropy(
+        flat, flat_labels, reduction="sum", ignore_index=-100, label_smoothing=label_smoothing
+    )
+    if z_loss > 0:
+        log_z = torch.logsumexp(flat, dim=-1)  # [N]
+        loss = loss + z_loss * (log_z.square() * (flat_labels != -100)).sum()
+    return loss
+
+
+class LogitStats:
+    """Sums of squares and counts of output logits, one entry per loss call (detached, on the device; no sync
+    until read)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, int]] = []
+
+    def add(self, logits: torch.Tensor) -> None:
+        self.entries.append((logits.detach().float().square().sum(), logits.numel()))
+
+    def add_sum(self, sumsq: torch.Tensor, count: int) -> None:
+        self.entries.append((sumsq.detach(), count))
+
+    def take(self, last: int | None = None) -> tuple[float, int]:
+        """``(sum of squares, count)`` of the last ``last`` entries (None: all), then reset. A pipeline's last
+        stage passes its micro-batch count: on its first step torch's shape inference calls the loss first on
+        uninitialised tensors (distributed/pipeline.py)."""
+        entries = self.entries if last is None else self.entries[-last:]
+        out = (float(sum(float(e[0]) for e in entries)), sum(e[1] for e in entries))
+        self.entries = []
+        return out
 
 
 @functools.cache
@@ -63,18 +100,28 @@ def cross_entropy_fn(compiled: bool) -> Callable[..., torch.Tensor]:
 
 
 def _chunk_loss(
-    h: torch.Tensor, labels: torch.Tensor, head: nn.Module, label_smoothing: float, compiled: bool
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    head: nn.Module,
+    label_smoothing: float,
+    compiled: bool,
+    z_loss: float = 0.0,
+    with_sumsq: bool = False,
 ) -> torch.Tensor:
     logits = head(h)  # [chunk, vocab], freed when the chunk is done
-    return cross_entropy_fn(compiled)(logits, labels, label_smoothing)
+    loss = cross_entropy_fn(compiled)(logits, labels, label_smoothing, z_loss)
+    if with_sumsq:  # [loss, sum of squared logits]: only the loss carries a gradient
+        return torch.stack([loss, logits.detach().float().square().sum()])
+    return loss
 
 
 def chunked_head_loss(
     h: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunk_tokens: int, label_smoothing: float = 0.0,
-    compiled: bool = False,
+    compiled: bool = False, z_loss: float = 0.0, stats: LogitStats | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Summed fp32 cross-entropy of ``head(h)`` against ``labels`` (``h [B, T, dim]``, ``labels [B, T]``),
-    ``chunk_tokens`` tokens at a time; equal to ``TokenLoss()(head(h), labels)`` up to summation order."""
+    """Summed fp32 cross-entropy (plus the z-loss) of ``head(h)`` against ``labels`` (``h [B, T, dim]``,
+    ``labels [B, T]``), ``chunk_tokens`` tokens at a time; equal to ``TokenLoss()(head(h), labels)`` up to
+    summation order. ``stats`` (if given) receives the logits' sum of squares and count."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     flat_h, flat_labels = h.flatten(0, -2), labels.flatten()  # [N, dim], [N]
@@ -88,9 +135,15 @@ def chunked_head_loss(
             head,
             label_smoothing,
             compiled,
+            z_loss,
+            stats is not None,
             use_reentrant=False,
             preserve_rng_state=False,
         )
+        if stats is not None:
+            rows = flat_h[start:stop].shape[0]
+            stats.add_sum(part[1], rows * int(getattr(head, "out_features", 0) or 0))
+            part = part[0]
         total = total + part
     return total
 
@@ -99,8 +152,18 @@ class HeadLoss:
     """The callable a :class:`~llmtrain.models.Transformer` forward takes as ``head_loss``: it gets the final
     hidden states, the output module and the labels, and returns the summed loss instead of logits."""
 
-    def __init__(self, chunk_tokens: int, label_smoothing: float = 0.0, compiled: bool = False) -> None:
+    def __init__(
+        self,
+        chunk_tokens: int,
+        label_smoothing: float = 0.0,
+        compiled: bool = False,
+        z_loss: float = 0.0,
+        stats: LogitStats | None = None,
+    ) -> None:
         self.chunk_tokens, self.label_smoothing, self.compiled = chunk_tokens, label_smoothing, compiled
+        self.z_loss, self.stats = z_loss, stats
 
     def __call__(self, h: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-        return chunked_head_loss(h, head, labels, self.chunk_tokens, self.label_smoothing, self.compiled)
+        return chunked_head_loss(
+            h, head, labels, self.chunk_tokens, self.label_smoothing, self.compiled, self.z_loss, self.stats
+        )

@@ -2,7 +2,9 @@
 
 One JSON object per log step (and per validation, and per downstream evaluation) goes to ``<run_dir>/metrics.jsonl``, appended so that a resumed
 run continues the same file; rows of steps after the resume point left by a crashed run are dropped on resume so
-the file reads as one run. The console shows a rich progress bar when stdout is a terminal and plain lines
+the file reads as one run. A ``metrics.jsonl`` or ``events.jsonl`` with damaged lines (garbage bytes, wrong
+types) never fails the run: the file is set aside under a new name and the readable rows continue
+(:func:`salvage`; :func:`parse_row` is the rule the report reads by too). The console shows a rich progress bar when stdout is a terminal and plain lines
 otherwise (CI, log files). Only rank 0 writes.
 """
 
@@ -19,15 +21,90 @@ from typing import Any
 from llmtrain.config.schema import LoggingConfig
 from llmtrain.errors import ConfigError
 
+NUMERIC_KEYS = ("loss", "val_loss", "val_ppl", "lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu")
+"""Keys of a metrics row that are a number (or null) when present: what the console, the plot and the report
+read as numbers."""
+
+
+def parse_row(line: bytes | str, kind: str = "metrics") -> dict | None:
+    """One line of ``metrics.jsonl`` (``kind="metrics"``) or ``events.jsonl`` (``"events"``) as a row, or None
+    when it is not one: not UTF-8, not a JSON object, or of the wrong types (a metrics row needs an integer
+    ``step`` >= 0 and numbers for :data:`NUMERIC_KEYS`; an event a string ``event``). The one rule for the
+    trainer's resume and the report."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(row, dict):
+        return None
+    if kind == "events":
+        return row if isinstance(row.get("event"), str) else None
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    for key in NUMERIC_KEYS:
+        value = row.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            return None
+    return row
+
+
+def salvage(path: Path, kind: str, after_step: int | None = None) -> str | None:
+    """Make ``path`` (metrics.jsonl or events.jsonl of a run being resumed or restarted) hold only readable rows,
+    never losing one: when a line is damaged (garbage bytes, not JSON, wrong types, a torn last write), the file
+    is moved aside to ``NAME.damaged-N`` (never deleted, never overwritten) and a new ``NAME`` holds the rows that
+    parse, in order. ``after_step``: metrics rows of later steps (left by a crashed run after its last
+    checkpoint) are dropped as well, so the file reads as one run. The file is replaced by a rename, never
+    rewritten in place (a symbolic link is replaced by a file; what it pointed at is untouched). Returns a
+    sentence saying what was set aside, or None when the file was intact."""
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    keep, bad = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        row = parse_row(line, kind)
+        if row is None:
+            bad += 1
+        elif after_step is None or kind != "metrics" or row["step"] <= after_step:
+            keep.append(line + b"\n")
+    body = b"".join(keep)
+    if not bad and (body == data or after_step is None):
+        return None
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(body)
+    if not bad:  # only the rows after the resume point dropped: nothing to keep aside
+        os.replace(tmp, path)
+        return None
+    aside = _free_name(path)
+    os.rename(path, aside)
+    os.replace(tmp, path)
+    return (
+        f"{path} had {bad} damaged line(s) (not UTF-8, not JSON, or of the wrong types); the file was moved "
+        f"aside to {aside.name} and {path.name} continues with its {len(keep)} readable row(s)"
+    )
+
+
+def _free_name(path: Path) -> Path:
+    n = 1
+    while (aside := path.with_name(f"{path.name}.damaged-{n}")).exists() or aside.is_symlink():
+        n += 1
+    return aside
+
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop rows with ``step`` greater than ``step`` (left by a run that crashed after its last checkpoint)."""
-    if not path.exists():
-        return
-    keep = [
-        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    """Drop rows with ``step`` greater than ``step`` (left by a run that crashed after its last checkpoint);
+    damaged lines are set aside as :func:`salvage` says."""
+    salvage(path, "metrics", step)
 
 
 class MetricsLogger:
@@ -50,11 +127,20 @@ class MetricsLogger:
         self.tb = None
         self.progress = None
         self.wandb = None
+        self.salvaged: list[str] = []
         if not enabled:
             return
         if getattr(cfg, "wandb", False):
             self.wandb = start_wandb(cfg, self.run_dir, run_config)
-        truncate_after(self.path, start_step)
+        # damaged lines of an earlier attempt: set aside (the file kept under another name), never fatal
+        self.salvaged = [
+            note
+            for note in (
+                salvage(self.path, "metrics", start_step),
+                salvage(self.run_dir / "events.jsonl", "events"),
+            )
+            if note is not None
+        ]
         self._file = open(self.path, "a")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -160,7 +246,7 @@ def start_wandb(cfg: LoggingConfig, run_dir: Path, run_config: dict | None) -> A
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path | None:
     """Training and validation loss against step, from metrics.jsonl, as a PNG."""
-    rows = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x.strip()]
+    rows = [r for x in Path(metrics_path).read_bytes().splitlines() if (r := parse_row(x)) is not None]
     train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if not train and not val:

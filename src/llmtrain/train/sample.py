@@ -59,6 +59,7 @@ def load_for_generation(run_dir: str | Path):
             )
     prefix = cfg.data.datasets[0].path
     data = describe_dataset(prefix, cfg.data.tokenizer, "data.datasets[0].path")
+    check_tokenizer(ckpt, data)
     tok = load_tokenizer(str(data.tokenizer_path()))
     # one process, whatever layout the run trained with (a TP / PP / EP run's parallel section does not derive
     # on one process); the model's arguments do not depend on it, and the checkpoint loads under any layout
@@ -70,6 +71,48 @@ def load_for_generation(run_dir: str | Path):
     load_model_weights(ckpt, model)
     model.eval()
     return model, tok, ckpt
+
+
+def tokenizer_record(cfg) -> dict:
+    """What a checkpoint records of the tokenizer it was trained with (``trainer_state.json``'s ``tokenizer``):
+    the sha256, vocabulary size and file of the run's first dataset's tokenizer (the one generate, export and
+    eval decode with)."""
+    from llmtrain.data.describe import describe_dataset
+
+    specs = cfg.data.datasets or [d for stage in cfg.stages for d in stage.datasets]
+    data = describe_dataset(specs[0].path, cfg.data.tokenizer, "data.datasets[0].path")
+    return {"sha256": data.tokenizer_sha256, "vocab_size": data.vocab_size, "file": data.tokenizer_file}
+
+
+def check_tokenizer(ckpt: Path, data) -> None:
+    """DataError naming both when the checkpoint ``ckpt`` was trained with another tokenizer than the one
+    the run's dataset ``data`` (a :class:`~llmtrain.data.describe.DatasetInfo`) has now (the dataset was
+    re-prepared with another tokenizer); a checkpoint that records none (an older llmtrain's) is used with a
+    warning."""
+    import json
+
+    from llmtrain.errors import DataError
+
+    try:
+        state = json.loads((Path(ckpt) / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        state = None  # verification read it already; nothing more to say here
+    record = state.get("tokenizer") if isinstance(state, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+        print(
+            f"llmtrain: warning: {ckpt} does not record the tokenizer it was trained with (written by an older "
+            f"llmtrain); decoding with {data.tokenizer_file} (the dataset {data.prefix}'s) unchecked.",
+            file=sys.stderr,
+        )
+        return
+    if data.tokenizer_sha256 is not None and record["sha256"] != data.tokenizer_sha256:
+        raise DataError(
+            f"{ckpt} was trained with the tokenizer {record.get('file')} (sha256 {record['sha256'][:16]}..., "
+            f"vocabulary {record.get('vocab_size')}), but the run's dataset {data.prefix} now has "
+            f"{data.tokenizer_file} (sha256 {data.tokenizer_sha256[:16]}..., vocabulary {data.vocab_size}): it "
+            "was re-prepared with another tokenizer, and the model's token ids would be decoded wrongly. Point "
+            "data.datasets in the run's config.yaml back at a dataset prepared with the training tokenizer."
+        )
 
 
 def sample_from_run(

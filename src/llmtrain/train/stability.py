@@ -11,6 +11,10 @@ returned :class:`Decision`:
                 many batches to skip, an LR factor for a while) and executes it.
 * ``give_up``   more than ``max_rollbacks`` rollbacks: stop with the report in ``Decision.reason``.
 
+``watch`` names the metrics: ``loss``, ``grad_norm`` (every step) or any health metric of train/health.py
+(``max_layer_grad_norm``, ``grad_norm/layer_03``, ``attn_logit_bound``, ``logit_rms``, ...; all-reduced, the same
+on every rank), which exist on log steps only and are judged on those steps.
+
 Spike rules (``rule``), each applied to the metrics in ``watch`` over a window of the last ``window`` *good*
 steps (anomalous and skipped steps never enter the window, so a spike does not raise its own baseline):
 
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from llmtrain.config.schema import StabilityConfig
+from llmtrain.config.survival import check_watch
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -105,9 +110,11 @@ class StabilityGuard:
         cfg = cfg if cfg is not None else StabilityConfig()
         if cfg.rule not in RULES:
             raise ValueError(f"stability.rule {cfg.rule!r} is not one of {', '.join(RULES)}")
+        check_watch(cfg.watch)
         self.cfg = cfg
         self.history: dict[str, deque[float]] = {m: deque(maxlen=cfg.window) for m in cfg.watch}
         self.bad_run = 0  # anomalous steps in a row
+        self._streak: set[str] = set()  # the metrics that were anomalous in the current run of bad steps
         self.first_bad_step: int | None = None
         self.nonfinite_run = 0
         self.skipped_steps = 0
@@ -118,12 +125,17 @@ class StabilityGuard:
         """New thresholds (a stage boundary); the statistics seen so far are kept (the newest ``window``)."""
         if cfg.rule not in RULES:
             raise ValueError(f"stability.rule {cfg.rule!r} is not one of {', '.join(RULES)}")
+        check_watch(cfg.watch)
         old = self.history
         self.cfg = cfg
         self.history = {m: deque(old.get(m, ()), maxlen=cfg.window) for m in cfg.watch}
 
     # ---- the per-step call
-    def observe(self, step: int, loss: float, grad_norm: float | None = None) -> Decision:
+    def observe(
+        self, step: int, loss: float, grad_norm: float | None = None, metrics: dict[str, Any] | None = None
+    ) -> Decision:
+        """Decide on step ``step``; ``metrics`` are the step's health figures (train/health.py; log steps only),
+        of which the watched ones are judged like the loss (a non-finite one is not added to the window)."""
         values = {"loss": float(loss)}
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
@@ -138,13 +150,19 @@ class StabilityGuard:
                 return self._rollback(step, why, values)
             return Decision(SKIP, step, "non-finite loss or gradient norm", values)
         self.nonfinite_run = 0
+        for m, v in (metrics or {}).items():
+            if m in self.history and isinstance(v, (int, float)) and math.isfinite(v):
+                values[m] = float(v)
         anomalies = [m for m in self.history if m in values and self._anomalous(m, values[m])]
         if not anomalies:
-            self.bad_run, self.first_bad_step = 0, None
+            # a streak of a log-step metric is not broken by the steps in between, which do not carry it
+            if not self._streak or self._streak & values.keys():
+                self.bad_run, self.first_bad_step, self._streak = 0, None, set()
             for m, h in self.history.items():
                 if m in values:
                     h.append(values[m])
             return Decision(OK, step, values=values)
+        self._streak |= set(anomalies)
         self.bad_run += 1
         if self.bad_run == 1:
             self.first_bad_step = step
@@ -155,7 +173,7 @@ class StabilityGuard:
 
     def _rollback(self, step: int, why: str, values: dict[str, float]) -> Decision:
         first = self.first_bad_step if self.first_bad_step is not None else step
-        self.bad_run, self.nonfinite_run, self.first_bad_step = 0, 0, None
+        self.bad_run, self.nonfinite_run, self.first_bad_step, self._streak = 0, 0, None, set()
         if self.rollbacks >= self.cfg.max_rollbacks:
             report = (
                 f"{why} at step {step}, after {self.rollbacks} rollbacks (stability.max_rollbacks = "

@@ -33,7 +33,8 @@ from llmtrain.data.loader import BatchIterator
 from llmtrain.distributed import context_parallel, float8, grad_sync
 from llmtrain.resolve.derived import Derived
 from llmtrain.train.fault import FaultInjector
-from llmtrain.train.loss import HeadLoss, cross_entropy_fn, resolve_loss_chunk
+from llmtrain.train.health import HealthMonitor
+from llmtrain.train.loss import HeadLoss, LogitStats, cross_entropy_fn, resolve_loss_chunk
 from llmtrain.train.precision import LossScaler, autocast, grad_norm_
 from llmtrain.train.timing import StepTimer
 
@@ -48,9 +49,13 @@ class TokenLoss:
         self.label_smoothing = float(label_smoothing)
         self.chunk_tokens = int(chunk_tokens)
         self.compiled = compiled  # train.compile: the cross-entropy runs compiled (train/loss.py)
+        self.z_loss = 0.0  # train.z_loss of the active stage while training; 0 in validation
+        self.stats: LogitStats | None = None  # set on log steps: the logits' RMS (train/health.py)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_fn(self.compiled)(logits, labels, self.label_smoothing)
+        if self.stats is not None:
+            self.stats.add(logits)
+        return cross_entropy_fn(self.compiled)(logits, labels, self.label_smoothing, self.z_loss)
 
 
 class TrainStep:
@@ -81,6 +86,12 @@ class TrainStep:
             self.grad_scale *= self.cp.size
         self._sync: grad_sync.GradSync | None = None  # built on the first step (it needs cfg.parallel)
         self._sync_built = False
+        self.health: HealthMonitor | None = None  # per-layer health metrics of log steps (train/health.py)
+        self.replicas: Any = None  # fault_tolerance: the group's ft.replicas.ReplicaSet (set by ft.attach)
+
+    def replica_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the replica groups of this step's quorum (identity without fault_tolerance)."""
+        return self.replicas.sum_(t) if self.replicas is not None else t
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (identity on one rank)."""
@@ -101,7 +112,10 @@ class TrainStep:
         self.loss_fn.chunk_tokens = chunk
         with autocast(cfg.train.precision, self.device.type):
             if chunk:  # the model runs the chunked loss on its final hidden states (train/loss.py)
-                head_loss = HeadLoss(chunk, self.loss_fn.label_smoothing, self.loss_fn.compiled)
+                head_loss = HeadLoss(
+                    chunk, self.loss_fn.label_smoothing, self.loss_fn.compiled, self.loss_fn.z_loss,
+                    self.loss_fn.stats,
+                )  # fmt: skip
                 return self.model(
                     mb["input_ids"], position_ids=pos_ids, document_ids=doc_ids, labels=mb["labels"],
                     head_loss=head_loss,
@@ -112,13 +126,19 @@ class TrainStep:
     def run(self, cfg: Config, step: int, lr: float, batches: BatchIterator) -> dict:
         """Take optimizer step ``step`` at learning rate ``lr`` on the next global batch of ``batches``."""
         self.loss_fn.label_smoothing = float(cfg.train.label_smoothing)
+        self.loss_fn.z_loss = float(cfg.train.z_loss)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         timer = self.timer  # phases: train/timing.py (comm inside compute pauses compute)
         with timer.phase("data"):
             micro_batches = self.faults.before_step(step, batches.next_step())
             local_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
-        n_tokens = int(self.dp_sum(torch.tensor(local_tokens, device=self.device)).item())
+        n_tokens = int(self.replica_sum(self.dp_sum(torch.tensor(local_tokens, device=self.device))).item())
+        health = self._health()
+        log_step = step % max(cfg.train.log_steps, 1) == 0 or step == cfg.train.max_steps
+        if log_step:  # the logits' squares and the attention's q/k norms of this step (train/health.py)
+            health.record(True)
+            self.loss_fn.stats = health.stats
         with timer.phase("compute"):
             loss_sum = torch.zeros((), device=self.device)
             if self.pipeline is not None:  # the schedule runs forward/backward of every micro-batch
@@ -142,25 +162,51 @@ class TrainStep:
                 self.scaler.scale_loss(loss * (self.grad_scale / n_tokens)).backward()
                 loss_sum += loss.detach()
             self.faults.after_backward(step, self.model)
+            if self.replicas is not None:  # replica groups without FSDP's hook: sum gradients across groups
+                self.replicas.sync_grads(self.model)
             params = [p for p in self.model.parameters() if p.grad is not None]
             self.scaler.unscale_(params)
+            health.step_values(params)
+            if log_step:
+                health.take_norms()  # per-layer norms before clipping, no communication
             with timer.phase("comm_norm" if self.world_size > 1 else "compute"):
                 pp_group = self.pipeline.pp_group if self.pipeline is not None else None
                 grad_norm = grad_norm_(params, cfg.train.grad_clip_norm, pp_group)
+            if not math.isfinite(grad_norm):
+                health.count_nonfinite(params)
             skipped = self.scaler.update(grad_norm)
-            if not skipped:
+            committed = self.replicas.should_commit() if self.replicas is not None else True  # ft/replicas.py
+            if not skipped and committed:
                 if self.pipeline is not None:  # tied embeddings: the head's copy takes the final gradient
                     self.pipeline.before_optimizer_step()
                 self.optimizer.step()
                 float8.after_optimizer_step(self.model, cfg.train.fp8)
             self.optimizer.zero_grad(set_to_none=True)
-            moe = self.moe.finish(self.model, self.dp_sum, n_tokens, not skipped) if self.moe else {}
+            moe = (
+                self.moe.finish(self.model, self.dp_sum, n_tokens, not skipped and committed)
+                if self.moe
+                else {}
+            )
+        self.loss_fn.stats = None
+        with timer.phase("comm_ctrl" if self.world_size > 1 else "compute"):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            health_row = health.reduce(rank) if log_step else {}
         loss_sum = self.cp.sum_(loss_sum.float()) if self.cp is not None else loss_sum
-        loss_value = self.dp_sum(loss_sum.float()).item() / n_tokens
+        loss_value = self.replica_sum(self.dp_sum(loss_sum.float())).item() / n_tokens
         timer.step_done()
         return {
             "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "tokens": n_tokens, **moe,
+            "health": health_row, "committed": committed, **(self.replicas.row() if self.replicas else {}),
         }  # fmt: skip
+
+    def _health(self) -> HealthMonitor:
+        """The health monitor of this rank's model, built on first use."""
+        if self.health is None:
+            pp = dist.get_world_size(self.pipeline.pp_group) if self.pipeline is not None else 1
+            calls = self.pipeline.n_mb if self.pipeline is not None else None
+            layers = int(getattr(getattr(self.model, "args", None), "num_layers", 0))
+            self.health = HealthMonitor(self.model, layers, self.world_size, pp, calls)
+        return self.health
 
     @torch.no_grad()
     def validate(self, cfg: Config, derived: Derived, valid_samples: Any, dp_rank: int, dp_size: int) -> dict:
@@ -168,6 +214,7 @@ class TrainStep:
         if len(valid_samples) == 0:
             return {}
         self.loss_fn.label_smoothing = float(cfg.train.label_smoothing)  # the pipeline calls it directly
+        self.loss_fn.z_loss, self.loss_fn.stats = 0.0, None  # val_loss is the cross-entropy alone
         self.model.eval()
         mbs = derived.micro_batch_size
         # Under PP each eval iteration is one forward-only pass of the schedule over a whole global batch

@@ -26,14 +26,17 @@ import torch
 from llmtrain.config import config_to_dict
 from llmtrain.config.schema import Config
 from llmtrain.errors import CheckpointError, LLMTrainError
+from llmtrain.ft.layout import first_group
 from llmtrain.plan.peak import peak_tflops, runtime_device_name
 from llmtrain.resolve import derive
 from llmtrain.resolve.stages import SINGLE_STAGE, StagePlan
 from llmtrain.train.build import build_run
 from llmtrain.train.callbacks import Callback, default_callbacks
 from llmtrain.train.checkpoint import step_dir, step_of
+from llmtrain.train.checkpoint.state_schema import content_problem
 from llmtrain.train.curriculum import set_recompute
 from llmtrain.train.metrics import MetricsLogger, plot_losses
+from llmtrain.train.sample import tokenizer_record
 
 
 class TrainingDiverged(LLMTrainError):
@@ -74,6 +77,7 @@ class Trainer:
         self.faults, self.checkpointer, self.lock = parts.faults, parts.checkpointer, parts.lock
         self.callbacks = default_callbacks() if callbacks is None else callbacks
         self.step, self.tokens_seen = 0, 0
+        self._tokenizer = tokenizer_record(self.cfg)  # what the checkpoints record of the tokenizer
         self.saved_step: int | None = None  # the step of the newest save started by this process
         self.preempted: str | None = None  # set by the preemption callback: the signal received
         self.last_val: dict = {}
@@ -98,20 +102,30 @@ class Trainer:
                 self.lock.release()
             raise
         self.metrics = MetricsLogger(
-            self.run_dir, self.cfg.logging, self.max_steps, self.step, enabled=self.rank == 0,
+            self.run_dir, self.cfg.logging, self.max_steps, self.step, enabled=self.rank == 0 and first_group(),
             run_config=config_to_dict(self.cfg) if self.cfg.logging.wandb else None,
         )  # fmt: skip
         self.events.echo = self.metrics.message
+        for text in self.metrics.salvaged:  # damaged lines of metrics/events.jsonl set aside, never fatal
+            self.events.write("log_damaged", reason=text)
         for note in [*(notes or []), *self.run.notes]:
             self.metrics.message(f"note: {note}")
         for message in choice.messages():
             self.events.write("checkpoint_fallback", reason=message)
+        for message in choice.notes:  # symbolic links left alone, checkpoints an overwrite replaces
+            self.events.write("checkpoint_notice", reason=message)
+        self.checkpointer.store.on_note = lambda text: self.events.write("checkpoint_notice", reason=text)
         if choice.path is not None:
             self.events.write("resumed", step=self.step, path=str(choice.path))
             self._note_reshard()
         self.peak_flops = (
             peak_tflops(self.device, self.cfg.train.precision, self.cfg.logging.peak_tflops) * 1e12
         )
+        self.replicas = None  # fault_tolerance: this process's replica group (ft/replicas.py)
+        if self.cfg.fault_tolerance.enabled:
+            from llmtrain.ft.replicas import attach
+
+            self.replicas = attach(self)
 
     @property
     def max_steps(self) -> int:
@@ -135,7 +149,7 @@ class Trainer:
                 self._emit("step_start", self.step + 1)
                 out = self.train_step()
                 self._emit("step_end", out)
-                decision = self.guard.observe(self.step, out["loss"], out["grad_norm"])
+                decision = self.guard.observe(self.step, out["loss"], out["grad_norm"], out.get("health"))
                 if not decision.ok:
                     self.events.write(
                         decision.action, step=self.step, reason=decision.reason, **decision.values
@@ -173,10 +187,17 @@ class Trainer:
             getattr(callback, hook)(self, *args)
 
     def train_step(self) -> dict:
-        """One optimizer step (train/step.py) at the schedule's learning rate (and the guard's factor)."""
-        step = self.step + 1
-        lr = self.lr_at(step) * self.guard.lr_scale(step)
-        out = self.step_fn.run(self.stage_cfg, step, lr, self.batches)
+        """One optimizer step (train/step.py) at the schedule's learning rate (and the guard's factor). With
+        replica groups the step starts with a quorum (a lagging group heals there) and is taken again when it
+        did not commit (a group died during it)."""
+        while True:
+            if self.replicas is not None:
+                self.replicas.start_step(self)
+            step = self.step + 1
+            lr = self.lr_at(step) * self.guard.lr_scale(step)
+            out = self.step_fn.run(self.stage_cfg, step, lr, self.batches)
+            if self.replicas is None or self.replicas.end_step(self, out):
+                break
         self.step += 1
         self.tokens_seen += out["tokens"]
         return out
@@ -299,6 +320,7 @@ class Trainer:
             "config_hash": config_hash(config_to_dict(self.cfg)),
             "world_size": self.world_size,
             "grad_accum": self.derived.grad_accum,
+            "tokenizer": self._tokenizer,  # checked by generate / export / eval (train/sample.py)
         }
 
     def committed(self, path: Path) -> None:
@@ -317,6 +339,8 @@ class Trainer:
         """Checkpoint now (in the background with checkpoint.async_save); keep a host copy for rollbacks."""
         state = self.trainer_state()
         self.saved_step = self.step
+        if self.replicas is not None and not self.replicas.writes_checkpoints():
+            return  # replica groups: the first group of the quorum writes the run's checkpoints
         if self.cfg.checkpoint.async_save:
             self.wait_checkpoint()  # one save in flight: the previous one commits first (and is logged)
             self.checkpointer.save_async(self.step, self.model, self.optimizer, state)
@@ -328,6 +352,10 @@ class Trainer:
             self.snapshot.capture(self.step, self.model, self.optimizer, state)
 
     def _load(self, path: Path) -> None:
+        stages = len(self.curriculum.plans) if self.curriculum is not None else None
+        problem = content_problem(path, stages)  # every field, against this run, before anything is restored
+        if problem is not None:
+            raise CheckpointError(f"{path} cannot be resumed: {problem}.")
         state = self.checkpointer.load(
             path, self.model, self.optimizer, allow_extra=self.pipeline is not None
         )

@@ -46,11 +46,12 @@ from llmtrain.data.prep.shards import (
     cross_part_keep,
     iter_merged,
     iter_part_batches,
+    part_done,
     part_prefix,
     write_dataset,
 )
 from llmtrain.data.prep.workdir import remove
-from llmtrain.errors import DataError
+from llmtrain.errors import ConfigError, DataError
 
 
 def find_partitions(output: str) -> list[Path]:
@@ -86,13 +87,58 @@ def _read_done(folder: Path) -> dict:
         summary = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         summary = e
-    needed = ("tokenizer", "prepare", "parts", "report")
+    needed = ("tokenizer", "prepare", "parts", "report", "inputs", "tokenizer_copy")
     if not isinstance(summary, dict) or any(k not in summary for k in needed):
         raise DataError(
             f"{path} is damaged (not the JSON summary `prepare --partition` writes, with {', '.join(needed)}); "
             f"rerun that partition with the same arguments, then merge."
         )
+    problem = _done_problem(summary, folder)
+    if problem:
+        raise DataError(
+            f"{path} is damaged ({problem}); rerun that partition with the same arguments, then merge."
+        )
     return summary
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _done_problem(summary: dict, folder: Path) -> str | None:
+    """What is wrong with a ``done.json`` whose keys are all there (types, its partition, its part files)."""
+    tok, prep, report = summary["tokenizer"], summary["prepare"], summary["report"]
+    if (
+        not isinstance(tok, dict)
+        or not isinstance(tok.get("sha256"), str)
+        or not _is_int(tok.get("vocab_size"))
+    ):
+        return "tokenizer is not {sha256: text, vocab_size: integer, ...}"
+    if not isinstance(prep, dict) or not isinstance(prep.get("options"), dict):
+        return "prepare.options is not an object"
+    if not isinstance(report, dict) or not isinstance(report.get("stages"), dict):
+        return "report.stages is not an object"
+    inputs = summary["inputs"]
+    if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+        return "inputs is not a list of file names"
+    if not _is_int(summary["parts"]):
+        return f"parts = {summary['parts']!r} is not an integer >= 0"
+    name = summary.get("partition")
+    if name is not None and (
+        not isinstance(name, list) or len(name) != 2 or f"{name[0]}-of-{name[1]}" != folder.name
+    ):
+        return f"it describes partition {name!r}, not {folder.name} (copied from another folder?)"
+    copy = summary["tokenizer_copy"]
+    if not isinstance(copy, str) or not copy or "/" in copy or not (folder / copy).is_file():
+        return f"its tokenizer copy {copy!r} is missing"
+    for k in range(summary["parts"]):  # a part that kept documents must still have its token files
+        prefix = part_prefix(folder, k)
+        counters = part_done(folder, k)
+        kept = counters.get("kept", 0) if isinstance(counters, dict) else 0
+        missing = [e for e in (".bin", ".idx") if not Path(f"{prefix}{e}").is_file()]
+        if isinstance(kept, int) and kept > 0 and missing:
+            return f"part {k} kept {kept} documents but {prefix.name}{missing[0]} is missing"
+    return None
 
 
 def merge(
@@ -104,7 +150,56 @@ def merge(
     log=print,
 ) -> dict:
     """Join the finished partitions of ``output``; returns the manifest written."""
-    dirs = find_partitions(output)
+    if seq_length is not None and seq_length < 1 or num_shards is not None and num_shards < 1:
+        raise ConfigError(
+            f"merge: --seq-length and --num-shards must be at least 1, got {seq_length} and {num_shards}."
+        )
+    find_partitions(output)  # there is something to merge (before the lock creates its folder)
+    lock = _lock(output)
+    try:
+        return _merge(output, num_shards, pack, seq_length, keep_partitions, log)
+    finally:
+        lock.release()
+        _drop_partitions_root(output)
+
+
+def _lock(output: str):
+    """The one-owner lock of ``PREFIX.partitions`` (train/rundir.py's RunLock on that folder): a second merge
+    into the same prefix is refused, naming the merge that holds it."""
+    from llmtrain.train.rundir import RunLock
+
+    lock = RunLock(f"{output}.partitions")
+    try:
+        return lock.acquire()
+    except ConfigError:
+        try:
+            owner = lock.path.read_text(encoding="utf-8").strip() or "an unknown process"
+        except OSError:
+            owner = "an unknown process"
+        raise DataError(
+            f"merge --output {output}: another merge of {output}.partitions is running ({owner}); two merges "
+            "into one prefix would write over each other's shards. Wait for it to end."
+        ) from None
+
+
+def _drop_partitions_root(output: str) -> None:
+    """Remove ``PREFIX.partitions`` when nothing but the lock file is left in it."""
+    from llmtrain.train.rundir import LOCK_NAME
+
+    root = Path(f"{output}.partitions")
+    try:
+        if root.is_dir() and [p.name for p in root.iterdir()] == [LOCK_NAME]:
+            (root / LOCK_NAME).unlink()
+            root.rmdir()
+    except OSError:
+        pass
+
+
+def _merge(
+    output: str, num_shards: int | None, pack: str | None, seq_length: int | None, keep_partitions: bool, log
+) -> dict:
+    """:func:`merge` under the lock."""
+    dirs = find_partitions(output)  # again: a merge that just ended removed them
     check_outputs(output, [], None)  # the merged dataset replaces only a dataset of ours
     done = [_read_done(d) for d in dirs]
     first = done[0]
@@ -123,13 +218,18 @@ def merge(
                 f"{next((a, b) for a, b in zip([*summary['inputs'], None], [*first['inputs'], None]) if a != b)}); "
                 f"every partition must read the same --input list. Rerun it."
             )
+        if summary["parts"] != first["parts"]:
+            raise DataError(
+                f"Partition '{d}' has {summary['parts']} parts, '{dirs[0]}' {first['parts']}: they were not "
+                "prepared from the same inputs; rerun it."
+            )
     opts = options_from(first["prepare"]["options"])
     # the dataset written: the partitions' options with the merge's own packing and shard count
     opts = dataclasses.replace(
         opts,
         pack=pack or opts.pack,
-        seq_length=seq_length or opts.seq_length,
-        num_shards=num_shards or opts.num_shards,
+        seq_length=opts.seq_length if seq_length is None else seq_length,
+        num_shards=opts.num_shards if num_shards is None else num_shards,
     )
     index = None
     if opts.dedup != "none":
@@ -171,11 +271,7 @@ def merge(
     manifest["report"]["cross_partition"] = counters
     if not keep_partitions:  # only the folders prepare created (with its marker); the root when then empty
         for d in dirs:
-            remove(d)
-        try:
-            Path(f"{output}.partitions").rmdir()
-        except OSError:
-            pass
+            remove(d)  # the root goes once the lock is released (merge)
     if log:
         log(
             f"merge: {len(dirs)} partitions -> {manifest['documents']:,} documents, {manifest['tokens']:,} tokens, "

@@ -23,6 +23,8 @@ import functools
 import itertools
 import multiprocessing as mp
 import os
+import signal
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from llmtrain.errors import DataError
 T = TypeVar("T", bound=tuple)
 CHUNK_DOCUMENTS = 256  # documents per worker task
 CHUNK_CHARS = 1 << 18  # ... or fewer when they add up to this many characters (small: even load at the end)
+POOL_STOP_TIMEOUT_S = 10.0  # stop_pool: how long Pool.terminate may take before the workers are killed
 
 Record = tuple[str, Path, int]  # (text, input file, line or record number)
 
@@ -69,19 +72,49 @@ def start_pool(job: PrepareJob) -> Pool | None:
     """The worker pool of ``--workers N`` (None for one worker: it runs in-process), started first so that the
     workers import the pipeline and load the tokenizer while this process loads its own copy. Spawned, not
     forked: this process may run tokenizers' thread pool (training) or torch's, which a fork copies broken;
-    forking measured no faster (the workers' start overlaps the main process's own tokenizer load)."""
+    forking measured no faster (the workers' start overlaps the main process's own tokenizer load).
+
+    Ctrl-C is this process's alone: the workers are spawned with SIGINT blocked (a spawned process inherits the
+    signal mask of the thread that starts it, and so does the pool's own thread that replaces a dead worker), so
+    a Ctrl-C at the terminal, which reaches every process of the foreground group, never raises
+    KeyboardInterrupt in a worker (no tracebacks, and no worker dies holding the pool's queue lock, on which
+    ``Pool.terminate`` would then wait forever). This process stops them: :func:`stop_pool`. A SIGINT that
+    arrives while the mask is up is not lost: it stays pending, or Python's handler runs it from another thread."""
     if job.workers == 1:
         return None
-    return mp.get_context("spawn").Pool(
-        job.workers, initializer=_worker_init, initargs=(job.tokenizer, job.eos_token)
-    )
+    # multiprocessing starts its resource tracker at the first spawn and then unblocks SIGINT in this thread
+    # (SIG_UNBLOCK, not a restore): start it before the mask goes up
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return mp.get_context("spawn").Pool(
+            job.workers, initializer=_worker_init, initargs=(job.tokenizer, job.eos_token)
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def stop_pool(pool: Pool, timeout_s: float = POOL_STOP_TIMEOUT_S) -> None:
+    """End ``pool``'s workers within about ``timeout_s`` (after an error or a Ctrl-C as after success):
+    ``Pool.terminate`` in a helper thread, then SIGKILL to any worker still alive (terminate can block on a
+    queue lock that a killed worker held) and the pool is given up."""
+    stopper = threading.Thread(target=pool.terminate, name="prepare-pool-stop", daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
+    if stopper.is_alive():
+        for proc in mp.active_children():  # this process's children: the pool's workers
+            proc.kill()
+        stopper.join(timeout_s)
 
 
 def _worker_init(tokenizer: str | None, eos_token: str | None) -> None:
-    """Worker initializer: one tokenizer thread per worker process, so ``--workers N`` uses N cores (not N
-    thread pools of all cores each; with ``--workers 1`` the tokenizer runs in-process with its own pool); then
-    load the tokenizer before the first chunk arrives. A tokenizer that fails to load is reported by the main
-    process, which loads it too."""
+    """Worker initializer: SIGINT ignored (the main process ends the pool, see :func:`start_pool`); one
+    tokenizer thread per worker process, so ``--workers N`` uses N cores (not N thread pools of all cores each;
+    with ``--workers 1`` the tokenizer runs in-process with its own pool); then load the tokenizer before the
+    first chunk arrives. A tokenizer that fails to load is reported by the main process, which loads it too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     if tokenizer is not None:

@@ -24,6 +24,9 @@ removes the work folder and leaves any previous dataset at PREFIX untouched; ``-
 failed write (a full disk) publishes nothing: the previous dataset stays byte for byte, the finished parts stay
 for the rerun. The work folder is one ``prepare`` created (``workdir``: a marker file); a folder of that name
 without the marker is refused and never reused or removed, and a damaged ``state.json`` restarts the work.
+One live ``prepare`` per output: it holds ``.PREFIX.llmtrain.lock`` beside it (train/rundir.py's RunLock; a
+second one exits 2 naming the owner). Ctrl-C ends the worker pool within a bound (``parts.stop_pool``) with
+exit 130, and the finished parts stay for the rerun.
 
 ``--partition I/N`` processes every N-th document (by position among all non-blank input records) into
 ``PREFIX.partitions/I-of-N/`` and stops there; ``llmtrain merge --output PREFIX`` joins the N partitions back
@@ -60,7 +63,7 @@ from llmtrain.data.manifest import manifest_path, read_manifest, tokenizer_copy_
 from llmtrain.data.prep.job import Partition, PrepareJob, stage_report
 from llmtrain.data.prep.mindrecord import DEFAULT_FIELD, ShardHeader, check_request, convert, find_inputs
 from llmtrain.data.prep.outputs import check_outputs
-from llmtrain.data.prep.parts import collect_rejects, run_parts, start_pool
+from llmtrain.data.prep.parts import collect_rejects, run_parts, start_pool, stop_pool
 from llmtrain.data.prep.pipeline import PrepareOptions, cached_tokenizer, options_from
 from llmtrain.data.prep.readers import expand_inputs, iter_documents
 from llmtrain.data.prep.shards import iter_part_batches, write_dataset
@@ -71,6 +74,7 @@ from llmtrain.data.prep.workdir import claim, remove
 from llmtrain.data.samples import digest
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
 from llmtrain.errors import ConfigError, DataError, FileSystemError
+from llmtrain.train.rundir import RunLock
 
 
 def prepare(
@@ -127,7 +131,7 @@ def prepare(
         return _prepare(job, pool, staged)
     finally:
         if pool is not None:
-            pool.terminate()
+            stop_pool(pool)  # bounded, also after a Ctrl-C (parts.start_pool: the workers ignore SIGINT)
 
 
 def _prepare(job: PrepareJob, pool: Pool | None, staged: StageSettings | None = None) -> dict:
@@ -141,11 +145,40 @@ def _prepare(job: PrepareJob, pool: Pool | None, staged: StageSettings | None = 
     if job.tokenizer is not None:
         given = cached_tokenizer(job.tokenizer, job.eos_token)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
+    lock = _output_lock(job, staged)  # one live prepare per output, before anything is written
+    try:
+        return _prepare_locked(job, pool, staged, files, given, start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _output_lock(job: PrepareJob, staged: StageSettings | None) -> RunLock | None:
+    """The one-owner lock of ``job``'s output (train/rundir.py's RunLock, held until the run ends): a second
+    ``prepare`` into the same output, or the same partition, is refused with exit 2 naming the owner. A single
+    ``--stage`` / ``--task`` of a scheduled run shares the output with its sibling tasks: no lock."""
+    if staged is not None and staged.stage is not None:
+        return None
+    if job.partition is not None:
+        i, n = job.partition
+        return RunLock.for_output(
+            f"{job.output}.partitions/{i}_of_{n}", f"--output {job.output} --partition {i}/{n}"
+        ).acquire()
+    return RunLock.for_output(job.output).acquire()
+
+
+def _prepare_locked(
+    job: PrepareJob, pool: Pool | None, staged: StageSettings | None, files: list[Path], given: Tokenizer | None,
+    start: float,
+) -> dict:  # fmt: skip
+    """:func:`_prepare` once the output is this run's (its lock held)."""
+    output, opts = job.output, job.options
     identity = job.identity(files, given.sha256 if given is not None else None)
     key = digest(identity)
     if job.partition is None and manifest_path(output).is_file():
         old = read_manifest(output)
         if old.get("prepare", {}).get("key") == key:
+            remove(job.workdir)  # a run stopped between publishing and clearing its work folder
             job.say(f"prepare: {output} is already complete for these arguments; nothing to do")
             return old
         new_sha = identity["tokenizer"]
@@ -256,7 +289,13 @@ def _prepare_mindrecord(
         raise DataError(f"--max-documents must be at least 1, got {max_documents}.")
     check_outputs(output, [h.path for h in shards], None)  # before anything is written
     tok = cached_tokenizer(tokenizer, eos_token)
-    return convert(shards, output, tok, _tok_entry(tok, output), field, opts, max_documents, overwrite, log)
+    lock = RunLock.for_output(output).acquire()  # one live prepare per output (see _output_lock)
+    try:
+        return convert(
+            shards, output, tok, _tok_entry(tok, output), field, opts, max_documents, overwrite, log
+        )
+    finally:
+        lock.release()
 
 
 def _tok_entry(tok: Tokenizer, output: str) -> dict:

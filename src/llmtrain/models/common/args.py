@@ -18,6 +18,8 @@ Every family (Llama 3, Qwen2/3, GLM-4, Baichuan 2) is the same pre-norm block wi
 * ``sliding_window`` > 0    Sliding-window attention (Mistral, Qwen) in the blocks ``is_sliding_layer``
                             selects (``sliding_window_layers``; None: all of them).
 * ``post_norms``            RMSNorm of the attention and MLP outputs before each residual add (GLM-4-0414).
+* ``norm_scheme``           pre, sandwich (= ``post_norms``) or dssn (sandwich with depth-scaled post-norm gains
+                            at init, Pangu Ultra); ``init`` default or tinyinit (``Transformer.init_weights``).
 * ``kv_lora_rank`` > 0      Multi-head latent attention (DeepSeek-V3, ``models/common/mla.py``) instead of
                             GQA: ``head_dim`` is then the rotary width ``qk_rope_head_dim``.
 
@@ -73,6 +75,11 @@ class TransformerArgs:
     """Block indices that use the window (Qwen's ``layer_types`` / ``max_window_layers``); None: every block."""
     post_norms: bool = False
     """GLM-4-0414: ``post_self_attn_layernorm`` / ``post_mlp_layernorm`` on each sub-layer's output."""
+    norm_scheme: str = "pre"
+    """pre, sandwich or dssn; sandwich and dssn have ``post_norms`` (the same modules: dssn differs only in the
+    post norms' initial gains, ``models/common/init.py``)."""
+    init: str = "default"
+    """Weight init: default or tinyinit (``models/common/init.py``)."""
     # Mixture of experts (models/common/moe.py); num_experts 0 = dense. See ModelConfig.moe / MoEConfig.
     num_experts: int = 0
     top_k: int = 2

@@ -176,6 +176,8 @@ class Attention(nn.Module):
         self.num_heads_total = args.num_heads
         self.alibi_heads: tuple[int, int] = (0, args.num_heads)  # query heads held here; a TP plan narrows it
         self.context_parallel: Any = None  # distributed/context_parallel.py sets it: the gathered K/V
+        self.record_qk = False  # train/health.py turns it on for a log step: keep the attention-logit bound
+        self.qk_bound: torch.Tensor | None = None  # the step's largest bound so far (:meth:`_record_bound`)
         if self.alibi:
             self.register_buffer("alibi_slopes", alibi_slopes(args.num_heads), persistent=False)
 
@@ -184,6 +186,20 @@ class Attention(nn.Module):
         if self.alibi:
             start, stop = self.alibi_heads
             self.alibi_slopes = alibi_slopes(self.num_heads_total, device=device)[start:stop]  # [H_local]
+
+    @torch.no_grad()
+    def _record_bound(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Keep the step's largest ``max |q| * max |k| / sqrt(head_dim)`` (an upper bound of every attention
+        logit, which fused SDPA kernels never materialise), taken per sequence and per key/value head group
+        (the queries of a group attend only its keys, in their own sequence): ``q [B, H, Tq, hd]``, ``k [B, KV,
+        Tk, hd]`` after the KV cache / context-parallel gather. Per group, so a tensor-parallel rank (whole
+        groups) or a data- or context-parallel one gets the same numbers as one process; the max over ranks is
+        taken by train/health.py."""
+        kv = k.shape[1]
+        q_max = q.norm(dim=-1).amax(dim=-1).view(q.shape[0], kv, -1).amax(dim=-1)  # [B, KV]
+        k_max = k.norm(dim=-1).amax(dim=-1)  # [B, KV]
+        bound = (q_max.float() * k_max.float()).amax() / self.head_dim**0.5
+        self.qk_bound = bound if self.qk_bound is None else torch.maximum(self.qk_bound, bound)
 
     def forward(
         self,
@@ -211,6 +227,8 @@ class Attention(nn.Module):
             k, v = cache.update(layer_key, k, v)  # [B, KV_local, past + T, hd]
         if self.context_parallel is not None:  # local queries vs every CP rank's keys (mask: the model's)
             k, v = self.context_parallel.gather_kv(k, v)
+        if self.record_qk and not torch.compiler.is_compiling():  # health metric (train/health.py)
+            self._record_bound(q, k)
         # Grouped-query attention inside SDPA (no repeated K/V copies in memory): ~15% faster attention on CPU.
         gqa = q.shape[1] != k.shape[1]
 

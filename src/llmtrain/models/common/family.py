@@ -140,6 +140,7 @@ def resolve(spec: FamilySpec, cfg: ModelConfig, vocab_size: int | None) -> Trans
         value = getattr(cfg, key)
         if value is not None:
             values[key] = value
+    _resolve_norm_scheme(cfg, values)
     for key, value in vars(getattr(cfg, "moe", None) or {}).items():  # model.moe.* (every -> moe_every)
         if value is not None:
             values["moe_every" if key == "every" else key] = value
@@ -168,8 +169,46 @@ def resolve(spec: FamilySpec, cfg: ModelConfig, vocab_size: int | None) -> Trans
             "model.vocab_size is not set and no tokenizer vocabulary is known: set model.vocab_size or "
             "data.tokenizer (or a dataset whose manifest names its tokenizer)."
         )
-    values.update(family=spec.name, flavor=cfg.flavor, seq_length=cfg.seq_length, init_std=cfg.init_std)
+    values.update(
+        family=spec.name, flavor=cfg.flavor, seq_length=cfg.seq_length, init_std=cfg.init_std, init=cfg.init
+    )
     return _finish(values)
+
+
+def _resolve_norm_scheme(cfg: ModelConfig, values: dict[str, Any]) -> None:
+    """``model.norm_scheme`` sets ``post_norms`` (sandwich and dssn have the post norms, pre has none); an
+    explicit ``model.post_norms`` that says otherwise is a ConfigError naming both keys."""
+    scheme = getattr(cfg, "norm_scheme", None)
+    if scheme is None:
+        return
+    post = scheme != "pre"
+    if cfg.post_norms is not None and cfg.post_norms != post:
+        raise ConfigError(
+            f"model.norm_scheme {scheme} {'has' if post else 'has no'} post norms but model.post_norms is "
+            f"{str(cfg.post_norms).lower()}; remove model.post_norms (norm_scheme sets it)."
+        )
+    values.update(norm_scheme=scheme, post_norms=post)
+
+
+NORM_SCHEMES = ("pre", "sandwich", "dssn")
+INITS = ("default", "tinyinit")
+
+
+def _check_norm_scheme(values: dict[str, Any]) -> None:
+    """``norm_scheme`` one of :data:`NORM_SCHEMES` and consistent with ``post_norms`` (unset: derived from it);
+    ``init`` one of :data:`INITS`."""
+    post = values.get("post_norms", False)
+    scheme = values.setdefault("norm_scheme", "sandwich" if post else "pre")
+    if scheme not in NORM_SCHEMES:
+        raise ConfigError(f"model.norm_scheme must be one of {', '.join(NORM_SCHEMES)}, got {scheme!r}.")
+    if (scheme != "pre") != bool(post):
+        raise ConfigError(
+            f"model.norm_scheme {scheme} and model.post_norms {post!r} disagree: sandwich and dssn have the "
+            "post norms, pre has none."
+        )
+    init = values.setdefault("init", "default")
+    if init not in INITS:
+        raise ConfigError(f"model.init must be one of {', '.join(INITS)}, got {init!r}.")
 
 
 def _finish(values: dict[str, Any]) -> TransformerArgs:
@@ -221,6 +260,7 @@ def _finish(values: dict[str, Any]) -> TransformerArgs:
         if key in values:
             values[key] = _positive_float(values, key)
     _check_sliding(values)
+    _check_norm_scheme(values)
     unknown = set(values) - _ARG_FIELDS
     if unknown:
         raise ConfigError(f"unknown model argument(s) {', '.join(sorted(unknown))}.")

@@ -286,6 +286,7 @@ def common_args_from_hf(
         "sliding_window_layers": window_layers,
     }
     values.update(fixed)
+    values["norm_scheme"] = "sandwich" if values.get("post_norms") else "pre"  # GLM-4-0414's post norms
     return TransformerArgs(**values)
 
 

@@ -134,6 +134,9 @@ def block_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
     if args.num_experts:  # MoE blocks (and the dense ones among them): models/common/moe_tp.py
         plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
         plan["feed_forward"] = FeedForwardTP(NoParallel)
+    if args.post_norms:  # sandwich / dssn: input is wo's / w2's Shard(1) output; the residual add stays local
+        plan["attention_post_norm"] = SequenceParallel(use_local_output=True)
+        plan["ffn_post_norm"] = SequenceParallel(use_local_output=True)
     if args.qk_norm:
         plan["attention.q_norm"] = NoParallel(input_layout=Shard(2))  # [B, T, local heads, head_dim]
         plan["attention.k_norm"] = NoParallel(input_layout=Shard(2))

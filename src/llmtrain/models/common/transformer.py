@@ -25,7 +25,6 @@ shares (models/common/attention.py); under context parallel they come from ``con
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable
 from typing import Any, cast
@@ -35,6 +34,7 @@ from torch import nn
 
 from llmtrain.models.common.args import TransformerArgs
 from llmtrain.models.common.attention import Attention, AttentionMask, build_masks, query_dtype
+from llmtrain.models.common.init import norm_gain, weight_std
 from llmtrain.models.common.kv_cache import KVCache
 from llmtrain.models.common.layers import FeedForward, NormHead, RMSNorm
 from llmtrain.models.common.mla import MultiHeadLatentAttention
@@ -44,7 +44,8 @@ from llmtrain.models.common.rope import RotaryEmbedding
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``; with
-    ``post_norms`` each sub-layer's output is RMS-normalised before its residual add (GLM-4-0414). Under
+    ``post_norms`` (``norm_scheme`` sandwich or dssn) each sub-layer's output is RMS-normalised before its
+    residual add (GLM-4-0414; DSSN starts those gains at c / sqrt(num_layers), models/common/init.py). Under
     autocast the norm outputs are cast once before the projections (:func:`_autocast_input`)."""
 
     def __init__(self, args: TransformerArgs, layer_id: int) -> None:
@@ -187,18 +188,16 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
         """Deterministic init, after ``to_empty``: the same seed gives bitwise the same weights.
 
-        Norm weights are ones, biases zeros, every other matrix ``normal(0, init_std)`` except the two that
-        write into the residual stream, ``attention.wo`` and ``feed_forward.w2``, which use
-        ``init_std / sqrt(2 * num_layers)`` (GPT-2's depth scaling, so the residual variance does not grow
-        with depth). Each parameter draws from its own generator seeded by ``(seed, parameter name)``, names
+        Norm weights take ``norm_gain`` (1, or DSSN's depth-scaled post-norm gains), biases zeros, every other
+        matrix ``normal(0, weight_std)`` (models/common/init.py: ``model.init`` default is GPT-2's depth scaling
+        of ``attention.wo`` / ``feed_forward.w2``, ``init_std / sqrt(2 * num_layers)``; tinyinit is Pangu
+        Ultra's). Each parameter draws from its own generator seeded by ``(seed, parameter name)``, names
         taken without activation-checkpoint / compile wrapper prefixes. Parameters already sharded as DTensors
         (FSDP2, TP) are drawn in full and then distributed, so every parallel layout starts from the same
         weights as one device. The non-persistent buffers (RoPE inverse frequencies, ALiBi slopes) are
         recomputed on ``buffer_device`` (default: where the parameters live).
         """
         self.tie_weights()
-        std = self.args.init_std
-        residual_std = std / math.sqrt(2 * self.args.num_layers)
         device = buffer_device
         for raw_name, param in self.named_parameters():
             device = device or param.device
@@ -208,21 +207,13 @@ class Transformer(nn.Module):
             if name == "output.weight" and self.args.tie_word_embeddings:  # a pipeline stage's copy of the
                 name = "tok_embeddings.weight"  # tied embedding starts equal to it
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                param.fill_(norm_gain(name, self.args))
             elif name.endswith(".bias"):
                 param.zero_()
             else:
                 gen = torch.Generator(device=param.device)
                 gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-                residual = name.endswith(
-                    (
-                        "attention.wo.weight",
-                        "feed_forward.w2.weight",
-                        "experts.w2",
-                        "shared_experts.w2.weight",
-                    )
-                )
-                _normal_(param, residual_std if residual else std, gen)
+                _normal_(param, weight_std(name, self.args), gen)
         if self.rope is not None:
             self.rope.reset_buffers(device)
         for layer in self.layers.values():  # a wrapped block (compile, checkpoint) forwards .attention

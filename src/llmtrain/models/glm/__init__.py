@@ -9,40 +9,18 @@ rms_norm_eps 1.5625e-7, untied: 9,399,951,360 parameters.
 GLM-4-0414 (Hugging Face ``model_type: glm4``) adds an RMSNorm on the attention output and one on the MLP output,
 each before its residual add (``post_norms``). ``9b_0414`` is GLM-4-9B-0414 (the 9B shape, rms_norm_eps 1e-5,
 max_position_embeddings 32,768): 9,400,279,040 parameters; ``debug_0414`` its test size. TP plan: the common
-one plus the two post norms as sequence-parallel norms (their input is the row-parallel projections'
-sequence-sharded output, and their weight gradients are reduced over the TP ranks like the other norms').
+one, which runs the two post norms of any sandwich model (``norm_scheme`` sandwich / dssn) as sequence-parallel
+norms (their input is the row-parallel projections' sequence-sharded output, and their weight gradients are
+reduced over the TP ranks like the other norms').
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from llmtrain.models.common.args import TransformerArgs
-from llmtrain.models.common.family import FamilySpec, TPPlan
+from llmtrain.models.common.family import COMMON_TP_PLAN, FamilySpec
 from llmtrain.models.glm import hf
 
-
-def _block_plan(args: TransformerArgs) -> dict[str, Any]:
-    from torch.distributed.tensor.parallel import SequenceParallel  # lazy: torch.distributed.tensor
-
-    from llmtrain.models.common.parallelize import block_plan
-
-    plan: dict[str, Any] = block_plan(args)
-    # local Shard(1) input (the output of wo / w2), local output: the residual add stays on plain tensors
-    if args.post_norms:
-        plan["attention_post_norm"] = SequenceParallel(use_local_output=True)
-        plan["ffn_post_norm"] = SequenceParallel(use_local_output=True)
-    return plan
-
-
-def _top_plan(args: TransformerArgs) -> dict[str, Any]:
-    from llmtrain.models.common.parallelize import top_plan
-
-    return top_plan(args)
-
-
-GLM_TP_PLAN = TPPlan(block=_block_plan, top=_top_plan)
-"""The common plan (``models/common/parallelize.py``) plus GLM-4-0414's post norms."""
+GLM_TP_PLAN = COMMON_TP_PLAN
+"""The common plan (``models/common/parallelize.py``), which shards the post norms of any sandwich model."""
 _DEBUG = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256, "vocab_size": 512}
 _9B = {
     "hidden_size": 4096,

@@ -9,7 +9,10 @@ What to resume from (:meth:`Checkpointer.select_resume`): ``resume: auto`` walks
 first and takes the first whose checksums verify; every skipped one is reported with its reason
 (:class:`ResumeChoice`), so the trainer can log an event. Rank 0 decides and broadcasts, so every rank agrees. An
 explicit ``resume: PATH`` that fails verification is an error (no silent fallback from what the user asked
-for); ``resume: none`` is a fresh start.
+for); ``resume: none`` is a fresh start, refused in a folder that holds committed checkpoints unless
+``checkpoint.overwrite`` (``llmtrain train --overwrite``) says to start over: those are then replaced by this run's
+first commit (kept until then, and never resumed or rolled back to). A ``step_*`` entry that is a symbolic link
+is never resumed from, rotated or replaced; :attr:`ResumeChoice.notes` names it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class ResumeChoice:
 
     path: Path | None
     rejected: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What was left alone or will be replaced (symbolic links, checkpoints superseded by ``overwrite``)."""
 
     def messages(self) -> list[str]:
         return [f"checkpoint {p} skipped: {why}; falling back to an older one" for p, why in self.rejected]
@@ -96,7 +101,7 @@ class Checkpointer:
         """What ``checkpoint.resume`` points at. Rank 0 decides and broadcasts, so every rank agrees."""
         resume = str(self.cfg.resume)
         if resume == "none":
-            return ResumeChoice(None)
+            return self._fresh_start()
         if resume != "auto":
             path = Path(resume)
             if not layout.is_committed(path):
@@ -110,8 +115,10 @@ class Checkpointer:
                     f"checkpoint.resume: {resume!r} fails verification: {reason}. Use 'auto' to take the "
                     "newest valid checkpoint instead."
                 )
-            return ResumeChoice(path)
+            return ResumeChoice(path, notes=self._link_notes())
         choice = self.latest_valid() if rank() == 0 else None
+        if choice is not None:
+            choice.notes = self._link_notes()
         if is_dist():
             box = [choice]
             dist.broadcast_object_list(box, src=0)
@@ -124,12 +131,47 @@ class Checkpointer:
         self.resume_notes = choice.messages()
         return choice
 
+    def _link_notes(self) -> list[str]:
+        return [
+            f"{p} is a symbolic link: left alone (never resumed from, rotated or replaced)"
+            for p in layout.symlinked(self.dir)
+        ]
+
+    def _fresh_start(self) -> ResumeChoice:
+        """``resume: none``: a fresh start, refused over committed checkpoints unless ``overwrite`` (rank 0
+        looks, every rank gets its answer)."""
+        found = (self.committed(), self._link_notes()) if rank() == 0 else None
+        if is_dist():
+            box = [found]
+            dist.broadcast_object_list(box, src=0)
+            found = box[0]
+        assert found is not None
+        old, notes = found
+        if not old:
+            return ResumeChoice(None, notes=notes)
+        steps = ", ".join(str(layout.step_of(p)) for p in old)
+        if not bool(getattr(self.cfg, "overwrite", False)):
+            raise CheckpointError(
+                f"checkpoint.resume is none, but {self.dir} holds {len(old)} committed checkpoint(s) (steps "
+                f"{steps}) of an earlier run; starting over there would replace them. Use checkpoint.resume: auto "
+                "to continue that run, set run.output_dir (or checkpoint.save_dir) to a new folder, or pass "
+                "--overwrite (checkpoint.overwrite: true) to start over and replace them. The checkpoints were left as "
+                "they are."
+            )
+        self.store.supersede(old)
+        notes.append(
+            f"checkpoint.overwrite: starting over; the {len(old)} committed checkpoint(s) in {self.dir} (steps "
+            f"{steps}) are replaced by this run's first checkpoint (kept until then, never resumed from)"
+        )
+        return ResumeChoice(None, notes=notes)
+
     def _none_usable(self, rejected: list[tuple[str, str]]) -> CheckpointError:
         reasons = "; ".join(f"{p}: {why}" for p, why in rejected)
         return CheckpointError(
             f"checkpoint.resume is auto, but none of the {len(rejected)} committed checkpoints in {self.dir} "
             f"is usable ({reasons}). Nothing was resumed or deleted. Restore them from a copy, or set "
-            "checkpoint.resume: none to start over (the unusable checkpoints are then rotated away)."
+            "checkpoint.resume: none with --overwrite (checkpoint.overwrite: true) to start over (the unusable "
+            "checkpoints are then replaced)."
         )
 
     def after_failed_load(self, choice: ResumeChoice, error: CheckpointError) -> ResumeChoice:
@@ -144,7 +186,7 @@ class Checkpointer:
         for path in reversed([p for p in self.committed() if layout.step_of(p) < step]):
             reason = self.verify(path)
             if reason is None:
-                return ResumeChoice(path, rejected)
+                return ResumeChoice(path, rejected, choice.notes)
             rejected.append((str(path), reason))
         raise self._none_usable(rejected)
 

@@ -17,6 +17,10 @@ This module alone formats and parses checkpoint names; everything else asks it (
 Deleting (rotation) removes the marker first and renames to ``.trash`` before ``rmtree`` (:func:`retire`), so a
 checkpoint is never half-deleted: it is either whole and committed or not a checkpoint at all. Every small file
 is written with :func:`write_json` (fsynced) and directories are fsynced with :func:`fsync_dir`.
+
+Only real directories are llmtrain's: a ``step_*`` entry that is a symbolic link (to a shared folder, another
+run's checkpoint) is never listed as committed, rotated, cleared, replaced or changed in place (:func:`owned`);
+:func:`symlinked` names them so the caller can say they were left alone.
 """
 
 from __future__ import annotations
@@ -131,6 +135,20 @@ def marker_matches(ckpt_dir: str | Path, step: int) -> bool:
         return False
 
 
+def owned(path: str | Path) -> bool:
+    """True when ``path`` is a real directory (not a symbolic link): only those does llmtrain delete or replace."""
+    p = Path(path)
+    return not p.is_symlink() and p.is_dir()
+
+
+def symlinked(root: str | Path) -> list[Path]:
+    """``step_*`` entries under ``root`` that are symbolic links (never followed, deleted or replaced)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_symlink())
+
+
 def is_committed(ckpt_dir: str | Path) -> bool:
     """True when ``ckpt_dir`` carries the marker (it still has to verify to be resumed from)."""
     return marker_file(ckpt_dir).exists()
@@ -141,7 +159,7 @@ def committed(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if is_step_dir(p) and is_committed(p)]
+    found = [p for p in root.iterdir() if is_step_dir(p) and owned(p) and is_committed(p)]
     return sorted(found, key=step_of)
 
 
@@ -149,7 +167,7 @@ def stale(root: str | Path, keep: tuple[Path | None, ...] = ()) -> list[Path]:
     """``.tmp`` / ``.trash`` directories under ``root`` (crashed saves, unfinished deletions), except ``keep``."""
     out = []
     for path in Path(root).glob("step_*.t*"):
-        if path.suffix in (TMP_SUFFIX, TRASH_SUFFIX) and path not in keep and path.is_dir():
+        if path.suffix in (TMP_SUFFIX, TRASH_SUFFIX) and path not in keep and owned(path):
             out.append(path)
     return out
 
@@ -179,8 +197,21 @@ def write_marker(ckpt_dir: Path, step: int) -> None:
     fsync_dir(ckpt_dir)
 
 
+def refuse_symlink(path: Path) -> None:
+    """CheckpointError when ``path`` is a symbolic link: llmtrain never replaces or deletes through one."""
+    if path.is_symlink():
+        from llmtrain.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); llmtrain replaces and deletes only the "
+            "checkpoint directories it wrote, so it leaves this one alone and does not save over it. Move the "
+            "link out of the checkpoint folder, or set checkpoint.save_dir to another folder."
+        )
+
+
 def publish(tmp: Path, final: Path) -> None:
     """Rename a committed ``.tmp`` directory to its step name (replacing an older one) and fsync the parent."""
+    refuse_symlink(final)
     if final.exists():
         delete(final)
     os.replace(tmp, final)
@@ -189,10 +220,12 @@ def publish(tmp: Path, final: Path) -> None:
 
 def retire(ckpt_dir: Path) -> Path:
     """Uncommit and move out of the step_N namespace (never a half-deleted checkpoint); the caller deletes the
-    returned ``.trash`` directory, possibly in the background."""
+    returned ``.trash`` directory, possibly in the background. A symbolic link is refused (never followed)."""
+    trash = trash_dir(ckpt_dir)
+    refuse_symlink(ckpt_dir)
+    refuse_symlink(trash)
     marker_file(ckpt_dir).unlink(missing_ok=True)
     fsync_dir(ckpt_dir)
-    trash = trash_dir(ckpt_dir)
     if trash.exists():
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(ckpt_dir, trash)
@@ -205,4 +238,5 @@ def delete(ckpt_dir: Path) -> None:
 
 def rmtree_all(paths: list[Path]) -> None:
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        if owned(path):  # never through a symbolic link
+            shutil.rmtree(path, ignore_errors=True)

@@ -10,7 +10,6 @@ stage hand-over; it needs no process group (any saved layout reshards to one pro
 from __future__ import annotations
 
 import io
-import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llmtrain.errors import CheckpointError, exception_chain
-from llmtrain.train.checkpoint import layout
 from llmtrain.train.checkpoint._process import quiet_single_process
 
 
@@ -91,7 +89,38 @@ def safe_reader(path: Path) -> tuple[SafeFileSystemReader, Any]:
         raise CheckpointError(
             f"{path}: cannot read the checkpoint metadata ({type(e).__name__}: a damaged or foreign file)."
         ) from e
+    problem = storage_problem(path, metadata)
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}; refusing to load.")
     return reader, metadata
+
+
+def storage_problem(path: Path, metadata: Any) -> str | None:
+    """Why the storage entries of DCP ``metadata`` would read outside checkpoint ``path`` (or past a file's end),
+    None when every one names a plain file directly inside it: DCP opens ``path / relative_path``, so a
+    ``../x``, an absolute path, a sub-folder or a symlink would read a file the checkpoint does not own."""
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:
+        return None
+    if not isinstance(storage, dict):
+        return "the checkpoint metadata's storage table is not a mapping (damaged)"
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
+            return f"the checkpoint metadata names the data file {name!r}, which is not a file inside {path.name}"
+        if name not in sizes:
+            f = path / name
+            if f.is_symlink() or not f.is_file():
+                return f"the checkpoint metadata names {name}, which is not a plain file inside {path.name}"
+            sizes[name] = f.stat().st_size
+        ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length))
+        if not ok or offset + length > sizes[name]:  # type: ignore[operator]
+            return (
+                f"the checkpoint metadata reads {name} at offset {offset!r}, length {length!r}, past its end"
+            )
+    return None
 
 
 def check_model_shape(path: Path, metadata: Any, model_state: dict, allow_extra: bool = False) -> None:
@@ -153,35 +182,6 @@ def _read_failure(error: BaseException) -> str:
         if isinstance(e, EOFError):
             return "a data file ends early (truncated)"
     return f"{type(error).__name__} (a damaged data file)"
-
-
-def content_problem(path: Path) -> str | None:
-    """Why the small files of a checkpoint that passed its checksums are still unusable (None: they are fine):
-    ``trainer_state.json`` must be a JSON object whose ``step`` is the directory's step, every ``rng_rank*.json``
-    a JSON object, and the DCP metadata must unpickle through the allow-list."""
-    state_file = layout.trainer_state_file(path)
-    try:
-        state = json.loads(state_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        return f"{state_file.name} is unreadable ({type(e).__name__})"
-    step = state.get("step") if isinstance(state, dict) else None
-    if not isinstance(step, int) or isinstance(step, bool):
-        return f"{state_file.name} is not an object with an integer step"
-    if layout.is_step_dir(path) and step != layout.step_of(path):
-        return f"{state_file.name} says step {step}, but the directory is step {layout.step_of(path)}"
-    if not layout.marker_matches(path, step):
-        return f"the {layout.MARKER} marker does not say step {step} (damaged)"
-    for rng in sorted(path.glob("rng_rank*.json")):
-        try:
-            if not isinstance(json.loads(rng.read_text(encoding="utf-8")), dict):
-                return f"{rng.name} is not a JSON object"
-        except (OSError, ValueError) as e:
-            return f"{rng.name} is unreadable ({type(e).__name__})"
-    try:
-        safe_reader(path)
-    except CheckpointError as e:
-        return str(e).removeprefix(f"{path}: ").rstrip(".")
-    return None
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:

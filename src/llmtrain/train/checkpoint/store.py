@@ -46,8 +46,9 @@ from llmtrain.errors import CheckpointError, exception_chain, os_error_text
 from llmtrain.train.checkpoint import integrity, layout
 from llmtrain.train.checkpoint._process import barrier, is_dist, quiet_single_process, rank
 from llmtrain.train.checkpoint.rng import rng_state, set_rng_state
-from llmtrain.train.checkpoint.safe_load import content_problem, load_state
+from llmtrain.train.checkpoint.safe_load import load_state
 from llmtrain.train.checkpoint.staging import stage_to_cpu
+from llmtrain.train.checkpoint.state_schema import content_problem
 
 
 @dataclass
@@ -80,14 +81,26 @@ class CheckpointStore:
         self._group: Any = None
         self._staging: dict[str, torch.Tensor] = {}
         self._purger: threading.Thread | None = None  # deletes rotated-out checkpoints in the background
+        self._superseded: list[Path] = []  # an earlier run's checkpoints that checkpoint.overwrite replaces
+        self.on_note: Callable[[str], None] | None = None  # told what rotation left alone or replaced
+        self._links_noted: set[Path] = set()
 
     def _writer(self, tmp: Path) -> FileSystemWriter:
         return integrity.ChecksummingWriter(str(tmp), thread_count=self.threads, sync_files=True)
 
     # ---- discovery and verification
     def committed(self) -> list[Path]:
-        """Committed checkpoints, oldest first."""
-        return layout.committed(self.dir)
+        """Committed checkpoints, oldest first (not those :meth:`supersede` set aside)."""
+        return [p for p in layout.committed(self.dir) if p not in self._superseded]
+
+    def supersede(self, paths: list[Path]) -> None:
+        """``checkpoint.overwrite``: an earlier run's checkpoints, kept until this run's first commit replaces
+        them (retired then, see ``_rotate``), and never resumed or rolled back to in between."""
+        self._superseded = list(paths)
+
+    def _note(self, text: str) -> None:
+        if self.on_note is not None:
+            self.on_note(text)
 
     def latest(self) -> Path | None:
         c = self.committed()
@@ -111,12 +124,14 @@ class CheckpointStore:
     def _prepare(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
         self.wait()  # one save in flight at a time
         tmp, final = layout.tmp_dir(self.dir, step), layout.step_dir(self.dir, step)
+        layout.refuse_symlink(tmp)  # every rank, before the barrier: nothing is written through a link
+        layout.refuse_symlink(final)
         if rank() == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         barrier()
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = tensor_state(model, optimizer)
         layout.write_json(layout.rng_file(tmp, rank()), rng_state(self.device_type))
         if self.on_staged is not None:
             self.on_staged()
@@ -267,9 +282,25 @@ class CheckpointStore:
         in_flight = self._pending.tmp if self._pending is not None else None
         own_tmp = layout.tmp_dir_of(keep_path) if keep_path is not None else None
         doomed = layout.stale(self.dir, keep=(in_flight, own_tmp))
-        for old in self.committed()[:-keep]:
+        superseded, self._superseded = self._superseded, []
+        replaced = [p for p in superseded if layout.owned(p) and layout.is_committed(p)]
+        if replaced:
+            self._note(
+                f"checkpoint.overwrite: {len(replaced)} checkpoint(s) of the earlier run replaced "
+                f"({', '.join(p.name for p in replaced)})"
+            )
+        for old in [*replaced, *self.committed()[:-keep]]:
             if keep_path is None or old.resolve() != keep_path.resolve():
-                doomed.append(layout.retire(old))  # uncommitted now; the bytes go in the background
+                try:
+                    doomed.append(layout.retire(old))  # uncommitted now; the bytes go in the background
+                except CheckpointError as e:  # its .trash name is a symbolic link: both left alone
+                    self._note(str(e))
+        for link in layout.symlinked(self.dir):
+            if link not in self._links_noted:
+                self._links_noted.add(link)
+                self._note(
+                    f"{link} is a symbolic link: left alone by the rotation (never followed or deleted)"
+                )
         if doomed:
             self._purger = threading.Thread(target=layout.rmtree_all, args=(doomed,), name="ckpt-purge")
             self._purger.start()
@@ -295,8 +326,10 @@ class CheckpointStore:
             raise CheckpointError(f"{path} is not a committed checkpoint (no {layout.MARKER} file).")
         if verify and layout.checksums_file(path).exists():
             reason = self.verify(path)
-            if reason is not None:
-                raise CheckpointError(f"{path} fails verification: {reason}.")
+        else:  # no checksums to go by: the content is still checked before anything is restored
+            reason = content_problem(path)
+        if reason is not None:
+            raise CheckpointError(f"{path} fails verification: {reason}.")
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -318,6 +351,12 @@ class CheckpointStore:
         if rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()), self.device_type)
         return json.loads(layout.trainer_state_file(path).read_text())
+
+
+def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The tensors of a checkpoint: model and optimizer state dicts (sharded where the model is). The one
+    definition, shared by the on-disk save and the live heal of a replica group (ft/state.py)."""
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
 
 
 _EMB, _HEAD = "tok_embeddings.weight", "output.weight"

@@ -24,7 +24,7 @@ from multiprocessing.pool import Pool
 from typing import Any, Protocol
 
 from llmtrain.data.prep.job import PrepareJob
-from llmtrain.data.prep.parts import start_pool
+from llmtrain.data.prep.parts import start_pool, stop_pool
 from llmtrain.data.prep.stages.layout import StageContext, StageSettings
 from llmtrain.data.prep.stages.tasks import execute
 from llmtrain.errors import ConfigError
@@ -66,8 +66,7 @@ class LocalPool:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            stop_pool(self.pool)  # bounded, also after a Ctrl-C (parts.start_pool: the workers ignore SIGINT)
             self.pool = None
 
 

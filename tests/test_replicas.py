@@ -1,0 +1,251 @@
+"""Replica groups with torchft (src/llmtrain/ft/): a failed rank drops its group, the other keeps stepping.
+
+* The pin: the installed torchft is the ft extra's build, and a replica whose peer dies in the middle of an
+  all-reduce lives on (tests/distributed/ft_drill.py; torchft 0.2.0 fails this: its DDP hook asserts).
+* keep, one kill: ``llmtrain launch --nproc-per-node 4 --replicas 2`` (2 groups x 2 ranks, FSDP ZeRO-3 inside),
+  rank 1 of group 1 SIGKILLed at step 4. Group 0 never goes back a step and keeps stepping (metrics.jsonl is its
+  log: one row per step, in order); group 1 is restarted by its torchrun, heals live from group 0 and rejoins;
+  both end with the same parameters and optimizer state (``run_end``'s ``state_sha256``); every step's loss
+  equals a one-process run's within 1e-5 (the survivor computed the missing slice), and every sample was
+  consumed once (``consumed_tokens``).
+* shrink, three kills in one run (2 groups x 1 rank: the gradients summed after the backward, no FSDP hook):
+  group 1 at step 4, group 0 at step 34, group 0 again while writing the checkpoint of step 64 (it is the
+  writer: the lowest live group). The survivor keeps stepping on its own slice each time, the missing slices
+  are ``samples_skipped`` rows with their sample indices, ``consumed_tokens`` counts only committed samples,
+  each killed group comes back and heals, the hashes agree, and ``llmtrain report`` shows the membership.
+* The lighthouse (a remote one, ``--lighthouse``) killed mid-run: the launch ends with exit 76, nothing partial
+  committed; the same command with a new lighthouse resumes from the newest checkpoint and finishes.
+* Bad input, before anything starts (exit 2, one paragraph): replicas that do not divide the processes, an
+  unreachable lighthouse, a layout replica groups cannot serve; ``check`` prints the replica layout.
+
+Steps are slowed (``fault.slow_seconds`` on rank 0 of each group) so that the restarted group (a new torchrun
+attempt: 10-18 s of imports and set-up on this 2-core machine) rejoins before the run ends (~22 s of runway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtrain.cli import main as cli
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+STEPS, KILL_AT, SEQ = 40, 4, 32
+DRILL = Path(__file__).parent / "distributed" / "ft_drill.py"
+
+
+def cfg_dict(prefix: str, out: Path, **sections) -> dict:
+    base = {
+        "model": {"model_type": "llama3", "flavor": "debug", "seq_length": SEQ},
+        "train": {"batch_size": 8, "micro_batch_size": 2, "max_steps": STEPS, "lr": 3e-3, "warmup_steps": 2,
+                  "seed": 5, "log_steps": 1, "eval_steps": 0},
+        "data": {"datasets": [{"path": prefix, "weight": 1.0}], "valid_fraction": 0.1},
+        "checkpoint": {"save_steps": 2, "keep_checkpoint_max": 2, "resume": "auto"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "eval": {"at_start": False, "eval_iters": 1},
+        "run": {"device_target": "cpu", "output_dir": str(out), "threads": 1},
+    }  # fmt: skip
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return base
+
+
+def write_cfg(path: Path, d: dict) -> Path:
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def launch(cfg_file: Path, *extra: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "llmtrain.cli", "launch", str(cfg_file), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def test_torchft_pin_and_the_survivor_lives():
+    from llmtrain.ft.version import PINNED, installed
+
+    assert installed() == PINNED, f"installed torchft {installed()}, pyproject's ft extra pins {PINNED}"
+    p = subprocess.run([sys.executable, str(DRILL)], capture_output=True, text=True, timeout=180, env=ENV)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["exitcodes"] == [0, -9], p.stderr[-3000:]  # the peer was SIGKILLed; the survivor exited 0
+    (survivor,) = out["results"]
+    assert survivor["steps"] == 6
+    assert survivor["participants"][0] == 2 and survivor["participants"][-1] == 1
+
+
+# ---------------------------------------------------------------------------------------------- kills
+FT = {"heartbeat_timeout_s": 1.0, "join_timeout_s": 3.0, "timeout_s": 10, "quorum_timeout_s": 60}
+SLOW = {"slow_rank": 0, "slow_seconds": 0.6}
+STEPS3 = 84  # three kills: group 1 at 4, group 0 at 34, the checkpoint writer (group 0) while saving step 64
+THREE = {"rank": 0, "kill_at_step": [4, 34], "kill_replicas": [1, 0], "crash_in_save_at_step": [64]}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_corpus, tmp_path_factory):
+    """One-process reference; keep with a kill in group 1 (2 x 2 ranks); shrink with three kills (2 x 1)."""
+    root = tmp_path_factory.mktemp("replicas")
+    ref_d = cfg_dict(tiny_corpus, root / "ref")
+    ref = subprocess.run(
+        [sys.executable, "-m", "llmtrain.cli", "train", str(write_cfg(root / "ref.yaml", ref_d))],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    keep = cfg_dict(tiny_corpus, root / "keep", parallel={"zero_stage": 3},
+                    fault_tolerance={**FT, "batch_policy": "keep"},
+                    fault={"replica": 1, "rank": 1, "kill_at_step": [KILL_AT], **SLOW})  # fmt: skip
+    p = launch(
+        write_cfg(root / "keep.yaml", keep), "--nproc-per-node", "4", "--replicas", "2", "--max-restarts", "2"
+    )
+    assert p.returncode == 0, ("keep", p.stdout[-3000:], p.stderr[-5000:])
+    shrink = cfg_dict(tiny_corpus, root / "shrink", train={"max_steps": STEPS3},
+                      fault_tolerance={**FT, "batch_policy": "shrink"}, fault={**THREE, **SLOW})  # fmt: skip
+    p = launch(write_cfg(root / "shrink.yaml", shrink), "--nproc-per-node", "2", "--replicas", "2",
+               "--max-restarts", "3")  # fmt: skip
+    assert p.returncode == 0, ("shrink", p.stdout[-3000:], p.stderr[-5000:])
+    return {"ref": root / "ref", "keep": root / "keep", "shrink": root / "shrink"}
+
+
+def _common(run_dir: Path, killed: list[int], steps: int) -> list[dict]:
+    """What the kill runs show: each group lost, healed and rejoined in order; equal hashes at the end."""
+    ev = rows(run_dir / "events.jsonl")
+    names = [e["event"] for e in ev]
+    assert [e["lost"] for e in ev if e["event"] == "replica_lost"] == killed, names
+    assert [e["joined"] for e in ev if e["event"] == "replica_joined"] == killed, names
+    heals = [e for e in ev if e["event"] == "heal"]
+    assert [e["replica"] for e in heals] == killed and all(e["bytes"] > 0 for e in heals), heals
+    ends = {e["replica"]: e for e in ev if e["event"] == "run_end"}  # the last per group
+    assert set(ends) == {0, 1} and ends[0]["step"] == ends[1]["step"] == steps
+    assert ends[0]["state_sha256"] == ends[1]["state_sha256"]  # bitwise the same params + optimizer state
+    return ev
+
+
+@pytest.mark.slow  # a one-process run and two 4-rank launches with a restart each: ~2-3 min on 2 cores
+def test_keep_survivor_steps_on_restarted_group_heals_losses_equal_one_process(runs):
+    run_dir = runs["keep"]
+    ev = _common(run_dir, killed=[1], steps=STEPS)
+    assert json.loads((run_dir / "faults_fired_replica1_rank1.json").read_text()) == [f"kill@{KILL_AT}"]
+    retried = [e for e in ev if e["event"] == "step_retried"]
+    assert all(e["step"] == KILL_AT for e in retried)  # at most the step in flight was taken again
+    metrics = [r for r in rows(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))  # group 0 never went back a step
+    assert {r["replicas"] for r in metrics} == {1, 2}  # a step of one group and steps of two
+    ref = {r["step"]: r for r in rows(runs["ref"] / "metrics.jsonl") if "loss" in r}
+    for r in metrics:
+        assert abs(r["loss"] - ref[r["step"]]["loss"]) < 1e-5, (r["step"], r["loss"], ref[r["step"]]["loss"])
+    assert metrics[-1]["consumed_tokens"] == ref[STEPS]["consumed_tokens"]  # every sample once
+    assert not [e for e in ev if e["event"] == "samples_skipped"]
+
+
+@pytest.mark.slow
+def test_shrink_three_kills_one_during_a_save_skipped_samples_recorded(runs):
+    run_dir = runs["shrink"]
+    ev = _common(run_dir, killed=[1, 0, 0], steps=STEPS3)
+    fired = {r: json.loads((run_dir / f"faults_fired_replica{r}_rank0.json").read_text()) for r in (0, 1)}
+    assert fired == {0: [f"crash_in_save@{THREE['crash_in_save_at_step'][0]}", f"kill@{THREE['kill_at_step'][1]}"],
+                     1: [f"kill@{THREE['kill_at_step'][0]}"]}  # fmt: skip
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    skipped = [e for e in ev if e["event"] == "samples_skipped"]
+    assert skipped and all(e["slots"] == [1] for e in skipped)  # the survivor is the quorum's first: slot 0
+    for e in skipped:  # slot 1 of step s: global samples [8(s-1) + 4, 8s)
+        assert e["samples"] == [[8 * (e["step"] - 1) + 4, 8 * e["step"]]] and e["count"] == 4
+    assert len({e["step"] for e in skipped}) == len(skipped)  # each step's slice skipped once, never twice
+    total = 8 * STEPS3 * SEQ  # every sample of the run, had none been skipped
+    for e in [e for e in ev if e["event"] == "stage_end"]:  # each group's count at the end: committed only
+        assert next(iter(e["tokens"].values())) == total - SEQ * 4 * len(skipped)
+    from llmtrain.report import build_report
+
+    page = build_report(run_dir, with_plan=False).read_text()  # `llmtrain report`: membership over time
+    assert '<table id="membership">' in page and "group 0 lost; members [1]" in page
+    assert "group 1 joined; members [0, 1]" in page and "group 0 joined; members [0, 1]" in page
+
+
+@pytest.mark.slow  # one 2 x 1 launch stopped by the lighthouse's loss, one rerun: ~50 s
+def test_lighthouse_loss_is_a_clean_stop_and_the_rerun_resumes(tiny_corpus, tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+
+    def lighthouse() -> subprocess.Popen:
+        cmd = [str(binary), "--bind", f"[::]:{port}", "--min_replicas", "1", "--join_timeout_ms", "3000",
+               "--heartbeat_timeout_ms", "1000"]  # fmt: skip
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    out = tmp_path / "lh"
+    steps = 12
+    d = cfg_dict(tiny_corpus, out, train={"max_steps": steps}, fault_tolerance={**FT, "quorum_timeout_s": 5},
+                 fault={"slow_rank": 0, "slow_seconds": 0.3})  # fmt: skip
+    cfg = write_cfg(tmp_path / "lh.yaml", d)
+    extra = ["--nproc-per-node", "2", "--replicas", "2", "--lighthouse", f"localhost:{port}"]
+    lh = lighthouse()
+    cmd = [sys.executable, "-m", "llmtrain.cli", "launch", str(cfg), *extra]
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.time() + 240
+        while not (out / "checkpoints" / "step_00000004").exists():
+            assert job.poll() is None and time.time() < deadline, "no checkpoint before the lighthouse's loss"
+            time.sleep(0.2)
+        lh.kill()
+        lh.wait()
+        _, err = job.communicate(timeout=240)
+    finally:
+        for p in (lh, job):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert job.returncode == 76, err[-3000:]  # ft/lighthouse.py: LIGHTHOUSE_LOST_EXIT_CODE
+    assert "stopped answering" in err and "no quorum" in err
+    saved = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if "." not in p.name)
+    assert 4 <= saved < steps
+    lh = lighthouse()
+    try:
+        p = launch(cfg, *extra)
+    finally:
+        lh.kill()
+        lh.wait()
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = rows(out / "events.jsonl")
+    assert any(e["event"] == "resumed" and e["step"] == saved for e in ev)
+    ends = {e["replica"]: e for e in ev if e["event"] == "run_end"}
+    assert ends[0]["step"] == ends[1]["step"] == steps and ends[0]["state_sha256"] == ends[1]["state_sha256"]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _refused(capsys, *argv: str) -> str:
+    code = cli(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    return err
+
+
+def test_bad_input_refused_before_anything_starts(tiny_corpus, tmp_path, capsys):
+    cfg = write_cfg(tmp_path / "c.yaml", cfg_dict(tiny_corpus, tmp_path / "r"))
+    err = _refused(capsys, "launch", str(cfg), "--nproc-per-node", "3", "--replicas", "2")
+    assert "fault_tolerance.replicas = 2 does not divide the world size 3" in err
+    err = _refused(capsys, "launch", str(cfg), "--nproc-per-node", "2", "--replicas", "2", "--lighthouse",
+                   "127.0.0.1:1", "--connect-timeout", "0.5")  # fmt: skip
+    assert "lighthouse 127.0.0.1:1 did not answer" in err
+    err = _refused(capsys, "launch", str(cfg), "--nproc-per-node", "4", "--replicas", "2",
+                   "parallel.pipeline_parallel=2")  # fmt: skip
+    assert "cannot serve parallel.pipeline_parallel" in err
+    err = _refused(
+        capsys, "launch", str(cfg), "--nproc-per-node", "4", "--replicas", "2", "train.batch_size=4"
+    )
+    assert "not divisible" in err and "fault_tolerance.replicas 2" in err
+    assert not (tmp_path / "r").exists()  # nothing started, nothing written
+    assert cli(["check", str(cfg), "fault_tolerance.enabled=true", "fault_tolerance.replicas=2",
+                "--world-size", "4"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "replica groups:    2 x 2 ranks" in out and "4 samples of the global batch 8" in out
