@@ -165,7 +165,8 @@ def long_context_lines(cfg: Config, d: Derived) -> list[tuple[str, str]]:
         (
             "loss logits",
             f"{how}: {live * vocab * 4 / GIB:.3g} GiB fp32 live per micro-batch (x2 in backward); planned "
-            f"logits and loss {logits_bytes(a, lay, tokens) / GIB:.3g} GiB (bf16 logits, fp32 log-softmax and gradient)",
+            f"logits and loss {logits_bytes(a, lay, tokens) / GIB:.3g} GiB (the loss's peak: logits, fp32 "
+            "log-softmax and its gradient)",
         )
     ]
     if dims.cp > 1:

@@ -108,18 +108,30 @@ def rdzv_conf(text: str) -> str:
 
 def check_launch_flags(args: argparse.Namespace) -> None:
     """The launch flags that only mean something together: a single-node launch (``--nnodes 1``, no
-    ``--master-addr``) uses no rendezvous, so ``--run-id``, ``--rdzv-conf`` and a ``--node-rank`` other than 0
-    would be ignored: refused; a static job's ``--node-rank`` must be below ``--nnodes``."""
+    ``--master-addr``) uses no rendezvous, so ``--run-id``, ``--rdzv-conf``, ``--master-port`` and a
+    ``--node-rank`` other than 0 would be ignored: refused; so is ``--connect-timeout`` without a remote host to
+    wait for (``--master-addr`` or ``--lighthouse``); a static job's ``--node-rank`` must be below ``--nnodes``."""
     from llmtrain.errors import ConfigError
 
     single = args.nnodes in ("1", "1:1") and args.master_addr is None
     if single:
-        for flag, value in (("--run-id", args.run_id), ("--rdzv-conf", args.rdzv_conf)):
+        used = (
+            ("--run-id", args.run_id),
+            ("--rdzv-conf", args.rdzv_conf),
+            ("--master-port", args.master_port),
+        )
+        for flag, value in used:
             if value is not None:
                 raise ConfigError(
                     f"launch {flag} {value!r} is used only by a multi-node rendezvous (--nnodes N or MIN:MAX with "
                     "--master-addr); a single-node launch would ignore it: remove it."
                 )
+    remote = args.master_addr is not None or getattr(args, "lighthouse", None) is not None
+    if args.connect_timeout is not None and not remote:
+        raise ConfigError(
+            f"launch --connect-timeout {args.connect_timeout:g} is the wait for a remote --master-addr or "
+            "--lighthouse to answer; this launch has neither, so it would be ignored: remove it."
+        )
     high = int(args.nnodes.split(":")[-1])
     if args.node_rank is not None and args.node_rank >= high:
         raise ConfigError(

@@ -33,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--master-addr", type=name_token, default=None, help="rendezvous host (multi-node)")
     parser.add_argument(
-        "--master-port", type=int_at_least(1, 65535), default=29500, help="rendezvous port (default 29500)"
+        "--master-port",
+        type=int_at_least(1, 65535),
+        default=None,
+        help="rendezvous port (multi-node; default 29500)",
     )
     parser.add_argument(
         "--max-restarts", type=int_at_least(0), default=0, help="elastic restarts before giving up"
@@ -53,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--connect-timeout",
         type=float_in(0, 86400, low_open=True),
-        default=60.0,
-        help="seconds to wait for a remote --master-addr to answer before giving up with exit 2 (default 60)",
+        default=None,
+        help="seconds to wait for a remote --master-addr or --lighthouse to answer before giving up with exit 2 "
+        "(default 60)",
     )
     parser.add_argument(
         "--replicas", type=int_at_least(1, 1 << 16), default=1,
@@ -86,11 +90,11 @@ def main(args: argparse.Namespace) -> int:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
-        master_port=args.master_port,
+        master_port=29500 if args.master_port is None else args.master_port,
         max_restarts=args.max_restarts,
         run_id=args.run_id,
         rdzv_conf=args.rdzv_conf,
-        connect_timeout_s=args.connect_timeout,
+        connect_timeout_s=60.0 if args.connect_timeout is None else args.connect_timeout,
         stop_timeout_s=args.stop_timeout,
         replicas=args.replicas,
         lighthouse=args.lighthouse,
