@@ -42,7 +42,12 @@ HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAVE_TORCHAO, reason="train.fp8 needs torchao (the fp8 / dev extra)")
 STEPS = 2
 LR = 3e-3  # the peak learning rate of test_parallel.base (warm-up: every step's lr is at most this)
-SCALARS = 12  # the step's own all-reduces: target-token count (int64) + loss sum (fp32)
+# The step's own all-reduces: target-token count (int64) + loss sum (fp32), and, every step being a log step
+# here (log_steps 1), the health metrics' one float64 all-reduce (train/health.py): the squared grad and param
+# norms of each of the 2 blocks, 4 figures (logit sum of squares and count, non-finite and value counts) and one
+# q/k-bound slot per rank (2 ranks).
+HEALTH = 8 * (2 * 2 + 4 + 2)
+SCALARS = 12 + HEALTH
 
 
 def variants(tmp) -> dict[str, dict]:
