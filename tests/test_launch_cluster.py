@@ -503,15 +503,26 @@ def job_field(env: dict, job_id: str, field: str) -> str:
     return next((kv.split("=", 1)[1] for kv in out.split() if kv.startswith(f"{field}=")), "")
 
 
+REQUEUE_HOLD_S = 3.0  # past the requeue's second, so the new run's credential is newer than the revocation
+
+
 def wait_for_job(env: dict, job_id: str, timeout: float, release_requeued: bool = False) -> str:
-    """The job's final state; a requeued job's begin-time hold (Slurm: about 2 minutes) is lifted at once."""
+    """The job's final state; a requeued job's begin-time hold (Slurm: about 2 minutes) is shortened to
+    ``REQUEUE_HOLD_S``. Not lifted at once: slurmd revokes the old run's job credential at requeue, and a new start
+    within the same second is refused as revoked (slurmctld, seen once under load: "Killing non-startable batch
+    JobId=1: Job credential revoked", the job FAILED): the hold Slurm keeps is there for that."""
     deadline = time.monotonic() + timeout
+    held_since: float | None = None
     while time.monotonic() < deadline:
         state, reason = job_field(env, job_id, "JobState"), job_field(env, job_id, "Reason")
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return state
         if release_requeued and state == "PENDING" and reason == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=30)
+            held_since = time.monotonic() if held_since is None else held_since
+            if time.monotonic() - held_since >= REQUEUE_HOLD_S:
+                subprocess.run(
+                    ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=30
+                )
         time.sleep(0.5)
     subprocess.run(["scancel", job_id], env=env, timeout=30)
     raise AssertionError(f"Slurm job {job_id} did not end within {timeout} s")
