@@ -316,8 +316,8 @@ def test_plan_refuses_garbage_and_wrong_typed_catalogs_and_claims(tiny_run, tmp_
         (["--nnodes", "1:2", "--master-addr", "h", "--rdzv-conf", "join_timeout=-5"], "join_timeout"),
         (["--master-addr", ""], "--master-addr"),
         (["--connect-timeout", "1e300"], "--connect-timeout"),
-        (["--master-port", "29600"], "--master-port"),  # accepted and ignored by a single-node launch before
-        (["--connect-timeout", "5"], "--connect-timeout 5 is the wait for a remote"),  # no remote host to wait for
+        (["--master-port", "29600"], "--master-port"),  # a single-node launch would ignore it
+        (["--connect-timeout", "5"], "--connect-timeout 5 is the wait for a remote"),  # no remote host
     ],
 )
 def test_launch_flags_out_of_range_never_reach_torchrun(flags, needle, tiny_run, capfd):
