@@ -31,9 +31,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from llmtrain.cli import main as cli
+from test_elastic import cfg_dict as elastic_cfg_dict
+from test_elastic import write_cfg  # tests/ is on sys.path
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS, KILL_AT, SEQ = 40, 4, 32
@@ -41,24 +42,9 @@ DRILL = Path(__file__).parent / "distributed" / "ft_drill.py"
 
 
 def cfg_dict(prefix: str, out: Path, **sections) -> dict:
-    base = {
-        "model": {"model_type": "llama3", "flavor": "debug", "seq_length": SEQ},
-        "train": {"batch_size": 8, "micro_batch_size": 2, "max_steps": STEPS, "lr": 3e-3, "warmup_steps": 2,
-                  "seed": 5, "log_steps": 1, "eval_steps": 0},
-        "data": {"datasets": [{"path": prefix, "weight": 1.0}], "valid_fraction": 0.1},
-        "checkpoint": {"save_steps": 2, "keep_checkpoint_max": 2, "resume": "auto"},
-        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-        "eval": {"at_start": False, "eval_iters": 1},
-        "run": {"device_target": "cpu", "output_dir": str(out), "threads": 1},
-    }  # fmt: skip
-    for k, v in sections.items():
-        base[k] = {**base.get(k, {}), **v}
-    return base
-
-
-def write_cfg(path: Path, d: dict) -> Path:
-    path.write_text(yaml.safe_dump(d))
-    return path
+    """test_elastic's run (llama3 debug, seq 32, a save every 2 steps) for STEPS steps, keeping 2 checkpoints."""
+    sections["checkpoint"] = {"keep_checkpoint_max": 2, **sections.get("checkpoint", {})}
+    return elastic_cfg_dict(prefix, out, max_steps=STEPS, **sections)
 
 
 def rows(path: Path) -> list[dict]:
