@@ -6,6 +6,8 @@ The Slurm cluster has two slurmd "nodes" on this host (Debian's build runs sever
 ZeRO-3 over 2 ranks; over 4 ranks with micro batch 1 for the two-agent multinode job) and is held to the suite's
 parity rule against one single-process run of it (``test_parallel.close``: loss within 1e-5, grad norm within
 1e-3 relative, every step). The rank-variable tables of every launcher are unit-tested without any launcher.
+Replica groups (torchft) over several "nodes": ``llmtrain launch --nnodes M --node-rank K --replicas R`` on
+loopback (one group per node with a kill, groups spanning two nodes) and ``REPLICAS=2`` through the Slurm script.
 
 mpirun and Slurm come from Debian's openmpi-bin, slurm-wlm and munge (``make test`` installs them as root, the
 ``cluster-tools`` target); where they are missing these tests are skipped with the reason.
@@ -78,6 +80,17 @@ def close(got: dict, ref: dict) -> None:
         assert abs(a - b) < 1e-5, (got["loss"], ref["loss"])
     for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True):
         assert abs(a - b) <= 1e-3 * b, (got["grad_norm"], ref["grad_norm"])
+
+
+def kill_trees(procs) -> None:
+    """SIGKILL every live process of ``procs`` and all its descendants (a launch's agents and workers)."""
+    for p in procs:
+        if p.poll() is None:
+            for pid in _descendants(p.pid):
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
 
 
 def free_port() -> int:
@@ -280,13 +293,7 @@ def test_multinode_two_agents_match_single_process(tiny_corpus, tmp_path, refere
     try:
         codes = [a.wait(timeout=400) for a in agents]
     finally:
-        for a in agents:
-            if a.poll() is None:
-                for pid in _descendants(a.pid):
-                    try:
-                        os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
+        kill_trees(agents)
     text = "\n".join(log.read_text()[-3000:] for log in logs)
     assert codes == [0, 0], text
     assert "--nnodes=2" in text and "--nproc-per-node=2" in text and "world_size=4" in text, text
@@ -323,22 +330,12 @@ def test_multinode_losing_an_agent_ends_the_static_job_with_exit_1(tiny_corpus, 
         while not ((out / "metrics.jsonl").is_file() and '"step": 1' in (out / "metrics.jsonl").read_text()):
             assert survivor.poll() is None and time.monotonic() < deadline + 120, "no step 1"
             time.sleep(0.1)
-        for pid in _descendants(lost.pid):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_trees([lost])
         killed_at = time.monotonic()
         code = survivor.wait(timeout=240)
         took = time.monotonic() - killed_at
     finally:
-        for p in (survivor, lost):
-            if p.poll() is None:
-                for pid in _descendants(p.pid):
-                    try:
-                        os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
+        kill_trees((survivor, lost))
     log = (tmp_path / "agent_survivor.log").read_text()
     assert code == 1, log[-4000:]
     assert took < 120, (
@@ -346,6 +343,150 @@ def test_multinode_losing_an_agent_ends_the_static_job_with_exit_1(tiny_corpus, 
     )  # well inside run.dist_timeout_s (120 s here): the failure is seen, not waited out
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) < 40
+
+
+# ---------------------------------------------------------------- replica groups over several nodes (torchft)
+
+FT = {"heartbeat_timeout_s": 1.0, "join_timeout_s": 3.0, "timeout_s": 10, "quorum_timeout_s": 60}
+
+
+def replica_job(prefix: str, out: Path, **sections: dict) -> dict:
+    """:func:`job` as replica groups of one rank each (the cross-group all-reduce is the only reduction)."""
+    sections["fault_tolerance"] = {**FT, **sections.get("fault_tolerance", {})}
+    return job(prefix, out, parallel={"zero_stage": 0}, **sections)
+
+
+def run_ends(run_dir: Path) -> dict[int, dict]:
+    """The last ``run_end`` row of each replica group."""
+    rows = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    return {e["replica"]: e for e in rows if e["event"] == "run_end"}
+
+
+def test_replica_groups_over_nodes_layout_and_bad_input(tiny_corpus, tmp_path, capsys):
+    """Where each node's groups sit (whole groups per node, or groups of whole nodes), the torchrun lines a
+    4-node launch prints for node 3; bad input refused (exit 2) before anything starts: ``--replicas 3 --nnodes
+    2``, no node rank, an elastic node range, node 0's store not answering within ``--connect-timeout``."""
+    from llmtrain.cli import main as cli_main
+    from llmtrain.ft.launch import NodeShare, node_share
+
+    assert node_share(4, 2, 1, 2) == NodeShare([2, 3], 1, 0, 1)  # 2 nodes x 2 procs, 4 groups: 2 per node
+    assert node_share(2, 2, 1, 4) == NodeShare([1], 1, 0, 4)  # one group per node
+    assert node_share(2, 4, 3, 2) == NodeShare([1], 2, 1, 2)  # 4 nodes, 2 groups: nodes 2, 3 form group 1
+    cfg = write(tmp_path / "job.yaml", replica_job(tiny_corpus, tmp_path / "run", train={"batch_size": 8}))
+    rc = cli_main(["launch", str(cfg), "--nproc-per-node", "1", "--nnodes", "4", "--node-rank", "3",
+                   "--master-addr", "127.0.0.1", "--master-port", "29400", "--run-id", "rj", "--replicas", "2",
+                   "--dry-run"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "node 3 of 4: replica groups [1] of 2 (2 node(s) per group" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("launch: group ")]
+    assert line.startswith("launch: group 1: LLMTRAIN_REPLICA_ID=1 ")
+    for part in ("--nproc-per-node=1", "--nnodes=2", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=rj-g1",
+                 "--rdzv-conf=is_host=false", "--node-rank=1", "fault_tolerance.replicas=2"):  # fmt: skip
+        assert part in line.split(), (part, line)
+    for argv, says in (
+        (["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--replicas", "3"],
+         "--replicas 3 with --nnodes 2 (x --nproc-per-node 1)"),  # ... Valid here: 2.
+        (["--nnodes", "2", "--master-addr", "127.0.0.1", "--replicas", "2"], "needs --master-addr"),
+        (["--nnodes", "1:2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--replicas", "2"],
+         "need a fixed number of nodes"),
+        (["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+          "--replicas", "2", "--connect-timeout", "1"], "store at 127.0.0.1:"),  # node 0 never started
+    ):  # fmt: skip
+        assert cli_main(["launch", str(cfg), "--nproc-per-node", "1", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+        assert "Valid here: 2." in err or "Valid" not in says, err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def _launch_nodes(cfg: Path, logs: list[Path], nproc: int, replicas: int, *extra: str) -> list[int]:
+    """``llmtrain launch CFG --nnodes M --node-rank K --master-addr 127.0.0.1 --replicas R`` for K = 0 .. M-1 on
+    this host (M = len(logs)); each launch's exit code."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmtrain.cli", "launch", str(cfg), "--nproc-per-node", str(nproc), "--nnodes",
+           str(len(logs)), "--master-addr", "127.0.0.1", "--master-port", str(port), "--replicas", str(replicas),
+           *extra]  # fmt: skip
+    nodes = [
+        subprocess.Popen([*cmd, "--node-rank", str(k)], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ENV,
+                         start_new_session=True)
+        for k, log in enumerate(logs)
+    ]  # fmt: skip
+    try:
+        return [p.wait(timeout=400) for p in nodes]
+    finally:
+        kill_trees(nodes)
+
+
+@pytest.mark.slow  # four 1-rank launches: ~35 s on 2 cores
+def test_replica_groups_spanning_two_nodes_each_match_single_process(tiny_corpus, tmp_path):
+    """Four ``llmtrain launch --nnodes 4 --replicas 2`` on loopback: each group spans two nodes (nodes 0, 1 form
+    group 0; nodes 2, 3 group 1), one c10d rendezvous per group on node 0's store, node 0 runs the lighthouse.
+    Every launch exits 0, both groups end with the same ``state_sha256``, and every step's loss and grad norm are
+    those of one process over the same global batch of 8 (``close``)."""
+    from llmtrain.config import config_from_dict
+    from llmtrain.train.trainer import Trainer
+
+    ref_out, out = tmp_path / "ref", tmp_path / "run"
+    Trainer(
+        config_from_dict(job(tiny_corpus, ref_out, parallel={"zero_stage": 0}, train={"batch_size": 8}))
+    ).fit()
+    cfg = write(tmp_path / "job.yaml", replica_job(tiny_corpus, out, train={"batch_size": 8}))
+    logs = [tmp_path / f"node{k}.log" for k in range(4)]
+    codes = _launch_nodes(cfg, logs, 1, 2)
+    text = "\n".join(log.read_text() for log in logs)
+    assert codes == [0, 0, 0, 0], text[-6000:]
+    assert (
+        "node 3 of 4: replica groups [1] of 2 (2 node(s) per group" in text
+        and "--rdzv-conf=is_host=false" in text
+    )
+    assert text.count("(embedded)") == 1 and text.count("(remote)") == 3
+    ends = run_ends(out)
+    assert set(ends) == {0, 1} and ends[0]["step"] == ends[1]["step"] == STEPS, ends
+    assert ends[0]["state_sha256"] == ends[1]["state_sha256"]
+    close(per_step(out), per_step(ref_out))
+
+
+@pytest.mark.slow  # one 2-node launch, ~40 slowed steps, one group restart: ~60 s on 2 cores
+def test_replica_group_killed_on_node_1_restarts_heals_and_matches_one_process(tiny_corpus, tmp_path):
+    """Two ``llmtrain launch --nnodes 2 --replicas 2`` on loopback (one group of one rank per node; node 0 runs the
+    lighthouse and the store) under ``keep``, 40 steps (0.6 s each on every group's rank 0: runway for the
+    restart), rank 0 of group 1 (node 1) SIGKILLed at step 4: node 1's torchrun restarts its group, which heals
+    from group 0 and rejoins; group 0 (node 0) never goes back a step; both end with the same ``state_sha256``;
+    every loss and grad norm is one uninterrupted process's (``keep``: the survivor computed the missing slice)."""
+    from llmtrain.config import config_from_dict
+    from llmtrain.train.trainer import Trainer
+
+    steps, kill_at = 40, 4
+    ref_out, out = tmp_path / "ref", tmp_path / "run"
+    Trainer(config_from_dict(job(tiny_corpus, ref_out, parallel={"zero_stage": 0},
+                                 train={"max_steps": steps}))).fit()  # fmt: skip
+    cfg = write(tmp_path / "job.yaml", replica_job(
+        tiny_corpus, out, train={"max_steps": steps}, fault_tolerance={"batch_policy": "keep"},
+        fault={"replica": 1, "rank": 0, "kill_at_step": [kill_at], "slow_rank": 0, "slow_seconds": 2.0,
+               "slow_when": "degraded"},  # only steps short of a group are paced
+    ))  # fmt: skip
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    codes = _launch_nodes(cfg, logs, 1, 2, "--max-restarts", "2")
+    text = "\n".join(log.read_text() for log in logs)
+    assert codes == [0, 0], text[-6000:]
+    assert json.loads((out / "faults_fired_replica1_rank0.json").read_text()) == [f"kill@{kill_at}"]
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
+    assert [e["lost"] for e in events if e["event"] == "replica_lost"] == [1]
+    assert [e["joined"] for e in events if e["event"] == "replica_joined"] == [1]
+    assert [e["replica"] for e in events if e["event"] == "heal"] == [1]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))  # group 0 never went back a step
+    assert {r["replicas"] for r in metrics} == {1, 2}
+    ref = {
+        r["step"]: r
+        for r in map(json.loads, (ref_out / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    }
+    assert max(abs(r["loss"] - ref[r["step"]]["loss"]) for r in metrics) < 1e-5
+    assert max(abs(r["grad_norm"] / ref[r["step"]]["grad_norm"] - 1) for r in metrics) <= 1e-3
+    ends = run_ends(out)
+    assert ends[0]["step"] == ends[1]["step"] == steps and ends[0]["state_sha256"] == ends[1]["state_sha256"]
 
 
 # ---------------------------------------------------------------- bad input to `llmtrain launch`
@@ -633,3 +774,32 @@ def test_slurm_prepare_array_matches_one_process(slurm, tmp_path):
         k: v for k, v in ref.items() if k not in differ
     }
     assert got["prepare"]["options"] == ref["prepare"]["options"]
+
+
+@pytest.mark.slow
+def test_slurm_replicas_two_nodes_match_single_process(slurm, tiny_corpus, tmp_path, reference):
+    """``REPLICAS=2 sbatch --nodes=2 --ntasks-per-node=1 scripts/slurm_train.sbatch CONFIG``: one ``llmtrain launch
+    --replicas 2`` per node (node 0's runs the lighthouse), one group of one rank per node. The job COMPLETES, both
+    groups end with the same ``state_sha256``, and every step is one process's (``close``)."""
+    out = tmp_path / "run"
+    cfg = write(tmp_path / "job.yaml", replica_job(tiny_corpus, out))
+    env = {**slurm, "LLMTRAIN": LLMTRAIN, "REPLICAS": "2"}
+    log = tmp_path / "slurm.out"
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
+         f"--output={log}", str(ROOT / "scripts" / "slurm_train.sbatch"), str(cfg)],
+        capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    state = wait_for_job(env, job_id, timeout=300)
+    text = log.read_text() if log.exists() else "no output"
+    assert state == "COMPLETED", text[-6000:]
+    assert job_field(env, job_id, "NodeList") == "n[1-2]"
+    for node in (0, 1):
+        assert f"node {node} of 2: replica groups [{node}] of 2" in text, text[-6000:]
+    assert "replica groups exited 0" in text
+    ends = run_ends(out)
+    assert set(ends) == {0, 1} and ends[0]["step"] == ends[1]["step"] == STEPS, ends
+    assert ends[0]["state_sha256"] == ends[1]["state_sha256"]
+    close(per_step(out), reference)

@@ -504,3 +504,59 @@ def test_flat_layout_values_of_the_wrong_type_are_named(capsys, tmp_path, key, v
     assert code == 2 and out.out == "" and "Traceback" not in out.err
     assert f"{bad}: {key}: expected {expected}, got {value!r}" in out.err, out.err
     assert bad.read_bytes() == before
+
+
+def _with_mindio(cfg: dict, shard_size: int | None = 4) -> None:
+    """MindFormers' high-availability example (docs feature/high_availability.md, r1.7.0): data parallel 8, the
+    optimizer sharded in 4 (two copies of the state: MindIO's replica relation), sink_size 1, and the
+    TrainFaultTolerance entry some run files list (MindFormers' trainer skips it)."""
+    if shard_size is not None:
+        cfg["parallel"]["parallel_optimizer_config"]["optimizer_weight_shard_size"] = shard_size
+    cfg["runner_config"]["sink_size"] = 1
+    cfg["callbacks"].append({"type": "TrainFaultTolerance", "ckpt_save_path": "./ttp_ckpt"})
+
+
+def test_mindio_tft_switch_maps_to_replica_groups(capsys, tmp_path, monkeypatch):
+    """MindFormers switches MindIO TFT with $MS_ENABLE_TFT (version_control.check_tft_valid), not a YAML key.
+    ARF (a failed node repaired from a replica) -> replica groups, one per copy of the state (8 / 4 = 2), each
+    group FSDP over the shard size; TRE -> the stability guard; TTP, UCE, TSP and MindIO's controller address
+    have no counterpart and the notes say so; with too few copies the switch is refused by name."""
+    path, before = _variant(tmp_path, LLAMA2, "ha.yaml", _with_mindio)
+    monkeypatch.delenv("MS_ENABLE_TFT", raising=False)
+    code, out, err = run_check(capsys, path, 8, "train.max_steps=1000")  # without the switch
+    assert code == 0, err
+    assert resolved(out)["fault_tolerance"]["enabled"] is False
+    assert resolved(out)["parallel"]["data_parallel_replicate"] == 2  # HSDP, as without MindIO
+    assert "callbacks[3] TrainFaultTolerance -> ignored, as MindFormers' trainer skips this entry" in out
+
+    monkeypatch.setenv("MS_ENABLE_TFT", "{TTP:1,UCE:1,ARF:1,TRE:1,TSP:1}")
+    monkeypatch.setenv("MS_TFT_IP", "127.0.0.1")
+    monkeypatch.setenv("MS_TFT_PORT", "30051")
+    code, out, err = run_check(capsys, path, 8, "train.max_steps=1000")
+    assert code == 0, err
+    cfg, notes = resolved(out), section(out, "notes")
+    assert (cfg["fault_tolerance"]["enabled"], cfg["fault_tolerance"]["replicas"]) == (True, 2)
+    p = cfg["parallel"]
+    assert (p["data_parallel"], p["zero_stage"], p["data_parallel_replicate"]) == (4, 3, 1)  # FSDP in 4
+    assert cfg["stability"]["enabled"] is True
+    assert "replica groups:    2 x 4 ranks" in out  # MindFormers' 1 x 8 x 8 = 64, each group 1 x 4 x 8 = 32
+    assert "32 samples of the global batch 64 per step (micro 1 x DP 4 x accumulation 8;" in out
+    copies = "MindIO's copies of the state: data_parallel 8 / optimizer_weight_shard_size 4"
+    assert f"fault_tolerance.replicas 2 ({copies})" in notes
+    assert "--replicas 2" in notes and "r1.7.0 mindformers/version_control.py" in notes
+    for flag in ("TTP", "UCE", "TSP"):
+        assert f"$MS_ENABLE_TFT {flag}:1 not mapped: no counterpart" in notes, flag
+    assert "$MS_TFT_IP, $MS_TFT_PORT not mapped: MindIO's controller" in notes
+    assert "$MS_ENABLE_TFT TRE:1" in notes and "redundant optimizer copies" in notes
+
+    monkeypatch.setenv("MS_ENABLE_TFT", "{UCE:0 TTP:1}")  # the dying checkpoint alone: noted, nothing enabled
+    code, out, err = run_check(capsys, path, 8, "train.max_steps=1000")
+    assert code == 0 and resolved(out)["fault_tolerance"]["enabled"] is False, err
+    assert "$MS_ENABLE_TFT TTP:1 not mapped" in out and "UCE:1" not in out
+
+    one_copy, before = _variant(tmp_path, LLAMA2, "one_copy.yaml", lambda c: _with_mindio(c, None))
+    monkeypatch.setenv("MS_ENABLE_TFT", "{ARF:1}")
+    code, out, err = run_check(capsys, one_copy, 8, "train.max_steps=1000")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"{one_copy}: $MS_ENABLE_TFT: ARF:1" in err and "1 copy of the weights and optimizer state" in err
+    assert "optimizer_weight_shard_size" in err and one_copy.read_bytes() == before

@@ -20,9 +20,10 @@ from llmtrain.cli import main as cli_main
 from llmtrain.models import TransformerArgs
 from llmtrain.moe_rules import expert_tp
 from llmtrain.plan import Layout, estimate_memory, load_catalog, parse_cluster
+from llmtrain.plan.comm import all_to_all
 from llmtrain.plan.gemm import block_gemm_time
 from llmtrain.plan.layout import rank_params, rank_shapes
-from llmtrain.plan.timing import Efficiency, _all_to_all, estimate_step_time
+from llmtrain.plan.timing import Efficiency, estimate_step_time
 
 SEED_100B = "configs/seed/100b_32card.yaml"
 H, E, K, HM, V, SEQ = 64, 8, 2, 32, 512, 64
@@ -67,6 +68,44 @@ def test_expert_bytes_by_hand(name):
     assert mem.details["moe_dispatch_buffers"] == 2 * rows * 4
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_gradients_by_hand(name):
+    """This trainer at ZeRO-2 without accumulation: fp32 gradients sharded as the states are (the blocks over dp,
+    the experts over their replicas), plus one block's unsharded gradient before its reduce-scatter."""
+    dp, ep, etp, edp, expert, de = CASES[name]
+    mem = estimate_memory(ARGS, _layout(dp, ep))
+    assert mem.gradients == 4 * (DENSE_TP2 / dp + expert / de)
+    block = (12288 + 0) / 2 + 2 * H + H * E + expert  # the MoE block's dense part on a TP rank + its experts
+    assert mem.details["unsharded_gradients"] == 4 * block
+
+
+@pytest.mark.parametrize("name", ["ep_over_dp_x_tp", "expert_tp"])
+def test_expert_bytes_by_hand_megatron(name):
+    """The published MoE recipes' engine (Megatron-Core, distributed optimizer) on the same layouts: bf16 weights
+    and gradient buffer of every local parameter (experts whole on their EP x ETP rank), the fp32 master and
+    Adam's moments sharded (experts over their edp = 1 replicas: whole); each TP rank dispatches its own T / 2
+    sequence-parallel rows (all-to-all before the expert-TP all-gather), bf16 send + receive buffers; one MoE
+    block's saved bytes per token counted term by term."""
+    dp, ep, etp, edp, expert, de = CASES[name]
+    lay = Layout(
+        tp=2, ep=ep, dp_shard=dp, zero_stage=1, seq_length=SEQ, micro_batch_size=1, engine="megatron"
+    )
+    assert (lay.etp, lay.edp, lay.expert_shard_degree) == (etp, edp, de)
+    mem = estimate_memory(ARGS, lay)
+    whole, sharded = DENSE_TP2 + expert, DENSE_TP2 / dp + expert / de
+    assert mem.parameters == 2 * whole + 4 * sharded
+    assert mem.gradients == 2 * whole
+    assert mem.optimizer_states == 8 * sharded
+    rows = SEQ / 2 * K * H  # T / tp tokens x top-k copies x h, both layouts
+    assert mem.details["moe_dispatch_buffers"] == 2 * rows * 2
+    # norms 2 x (input + output bf16 + rstd), q k v o + logsumexp, router (fp32 scores, index/weight bytes),
+    # dispatched copies + expert output (2 a k h), experts' hidden states (3 a k H), all over tp = 2
+    per_token = (2 * (2 * 2 * H + 4) + 2 * ((4 + 2 * 2) * 16 + 64) + 4 * 4 + 4 * E + 12 * K
+                 + 2 * K * (2 * H + 3 * HM)) / 2  # fmt: skip
+    assert per_token == 936
+    assert mem.details["activations_per_moe_layer"] == SEQ * per_token
+
+
 def test_expert_zero0_keeps_replicas_whole():
     lay = _layout(4, 2, zero=0)
     assert lay.edp == 2 and not lay.expert_fsdp and lay.expert_shard_degree == 1
@@ -93,7 +132,7 @@ def test_all_to_all_over_the_ep_group_by_hand():
         rows = SEQ * K * H * (1 / 2 if etp == 1 else 1)
         # fp32 dispatch + bf16 combine, (ep - 1) / ep of it leaving the rank, all peers in the node
         one = (ep - 1) / ep * (rows * 4 + rows * 2) / bw + 2 * eff.latency_s
-        both = _all_to_all(rows * 4, ep, etp, cluster, eff) + _all_to_all(rows * 2, ep, etp, cluster, eff)
+        both = all_to_all(rows * 4, ep, etp, cluster, eff) + all_to_all(rows * 2, ep, etp, cluster, eff)
         assert both == pytest.approx(one, rel=1e-12)
         st = estimate_step_time(ARGS, lay, cluster, fused=False)
         assert st.ep_comm == pytest.approx(2 * one, rel=1e-12)  # forward and backward, one micro-batch

@@ -311,12 +311,16 @@ def test_activation_offload_moves_saved_bytes_to_host():
     assert off.details["activations_offloaded"] == off.host_bytes == 32 * block
     assert none.activations == 32 * block + boundary and off.activations == block + boundary
     # one block stays on the device, but not while the logits peak, nor does one block's unsharded gradient
-    # before its reduce-scatter (concurrency_overlap; the sharded gradients accumulate over the 2 micro-batches,
-    # so they are live throughout)
-    unsharded = none.details["unsharded_gradients"]
-    assert unsharded > 0 and none.not_concurrent == pytest.approx(unsharded)
-    assert off.not_concurrent == pytest.approx(block + unsharded)
-    assert none.total - off.total == pytest.approx(32 * block)
+    # before its reduce-scatter or its backward's gradient temporaries (concurrency_overlap; the sharded
+    # gradients accumulate over the 2 micro-batches, so they are live throughout)
+    unsharded, temps = none.details["unsharded_gradients"], none.details["backward_temporaries"]
+    assert temps == 8192 * 3 * 2 * args.intermediate_size == off.details["backward_temporaries"]
+    assert unsharded > 0 and none.not_concurrent == pytest.approx(unsharded + temps)
+    # offloaded, the block in hand (+ its gradient and temporaries) outweighs the chunked loss's logits: the
+    # smaller of the two phases is what the sum counts twice
+    logits = off.details["logits_and_loss"]
+    assert block + unsharded + temps > logits and off.not_concurrent == pytest.approx(logits)
+    assert none.total - off.total == pytest.approx(32 * block - (block + unsharded + temps - logits))
     cluster = parse_cluster("8xh100", load_catalog())
     t = estimate_step_time(args, replace(base, recompute="offload"), cluster, fused=True)
     assert cluster.device.host_link_gbps == 55

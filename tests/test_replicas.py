@@ -18,13 +18,23 @@
 * Bad input, before anything starts (exit 2, one paragraph): replicas that do not divide the processes, an
   unreachable lighthouse, a layout replica groups cannot serve; ``check`` prints the replica layout.
 
-Steps are slowed (``fault.slow_seconds`` on rank 0 of each group) so that the restarted group (a new torchrun
-attempt: 10-18 s of imports and set-up on this 2-core machine) rejoins before the run ends (~22 s of runway).
+Both kill drills also check the run's files while a group is down: ``metrics.jsonl`` has exactly one row per
+step, written by the quorum's first group (``replicas`` the groups in that step's quorum: 1 exactly on the steps
+a group was missing), every ``resumed`` row names its group, and each ``heal`` counts the bytes of the whole
+group (all its ranks' shards: the one-process checkpoint's tensor bytes, plus the optimizer's step counters,
+which every rank holds).
+
+Only the degraded steps are slowed (``fault.slow_when: degraded``: rank 0 of a group sleeps
+``fault.slow_seconds`` on a step whose quorum is short of groups), so the survivors wait for the restarted
+group (a new torchrun attempt: 10-18 s of imports and set-up on this 2-core machine) however long it takes up to
+the runway (steps left x 2 s: >= 40 s for each kill here), and the steps with every group run at full speed
+(measured on this machine: 2 of 40 steps paced in keep, 14 of 84 in shrink; before, every step slept 0.6 s).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -70,7 +80,7 @@ def test_torchft_pin_and_the_survivor_lives():
 
 # ---------------------------------------------------------------------------------------------- kills
 FT = {"heartbeat_timeout_s": 1.0, "join_timeout_s": 3.0, "timeout_s": 10, "quorum_timeout_s": 60}
-SLOW = {"slow_rank": 0, "slow_seconds": 0.6}
+SLOW = {"slow_rank": 0, "slow_seconds": 2.0, "slow_when": "degraded"}  # only while a group is missing
 STEPS3 = 84  # three kills: group 1 at 4, group 0 at 34, the checkpoint writer (group 0) while saving step 64
 THREE = {"rank": 0, "kill_at_step": [4, 34], "kill_replicas": [1, 0], "crash_in_save_at_step": [64]}
 
@@ -100,30 +110,57 @@ def runs(tiny_corpus, tmp_path_factory):
     return {"ref": root / "ref", "keep": root / "keep", "shrink": root / "shrink"}
 
 
-def _common(run_dir: Path, killed: list[int], steps: int) -> list[dict]:
-    """What the kill runs show: each group lost, healed and rejoined in order; equal hashes at the end."""
+def state_bytes(checkpoint: Path, group_world: int) -> int:
+    """The bytes a group of ``group_world`` ranks holds of the state, from a one-process checkpoint's metadata:
+    every tensor once, except the optimizer's step counters (a scalar per parameter), held by every rank."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    total = counters = 0
+    for key, meta in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            size = math.prod(meta.size) * meta.properties.dtype.itemsize
+            total += size
+            counters += size if key.startswith("optim.state.") and key.endswith(".step") else 0
+    assert total > counters > 0
+    return total + (group_world - 1) * counters
+
+
+def _common(run_dir: Path, killed: list[int], steps: int, heal_bytes: int) -> list[dict]:
+    """What the kill runs show: each group lost, resumed, healed (the whole group's bytes) and rejoined in order;
+    equal hashes at the end; one metrics row per step, its ``replicas`` the groups of the step's quorum."""
     ev = rows(run_dir / "events.jsonl")
     names = [e["event"] for e in ev]
     assert [e["lost"] for e in ev if e["event"] == "replica_lost"] == killed, names
     assert [e["joined"] for e in ev if e["event"] == "replica_joined"] == killed, names
+    assert [e.get("replica") for e in ev if e["event"] == "resumed"] == killed, names  # each restart, tagged
     heals = [e for e in ev if e["event"] == "heal"]
-    assert [e["replica"] for e in heals] == killed and all(e["bytes"] > 0 for e in heals), heals
+    assert [e["replica"] for e in heals] == killed and {e["bytes"] for e in heals} == {heal_bytes}, heals
+    metrics = [r for r in rows(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))  # every step once, in order
+    quorums = [e for e in ev if e["event"] == "quorum"]  # a quorum row: the membership from step + 1 on
+    for r in metrics:
+        latest = [q for q in quorums if q["step"] < r["step"]][-1]
+        assert r["replicas"] == latest["participants"] == len(latest["members"]), (r["step"], latest)
+    assert {r["replicas"] for r in metrics} == {1, 2}
     ends = {e["replica"]: e for e in ev if e["event"] == "run_end"}  # the last per group
     assert set(ends) == {0, 1} and ends[0]["step"] == ends[1]["step"] == steps
     assert ends[0]["state_sha256"] == ends[1]["state_sha256"]  # bitwise the same params + optimizer state
     return ev
 
 
+def _last_checkpoint(run_dir: Path) -> Path:
+    return max(p for p in (run_dir / "checkpoints").glob("step_*") if "." not in p.name)
+
+
 @pytest.mark.slow  # a one-process run and two 4-rank launches with a restart each: ~2-3 min on 2 cores
 def test_keep_survivor_steps_on_restarted_group_heals_losses_equal_one_process(runs):
     run_dir = runs["keep"]
-    ev = _common(run_dir, killed=[1], steps=STEPS)
+    ev = _common(run_dir, killed=[1], steps=STEPS, heal_bytes=state_bytes(_last_checkpoint(runs["ref"]), 2))
     assert json.loads((run_dir / "faults_fired_replica1_rank1.json").read_text()) == [f"kill@{KILL_AT}"]
     retried = [e for e in ev if e["event"] == "step_retried"]
     assert all(e["step"] == KILL_AT for e in retried)  # at most the step in flight was taken again
-    metrics = [r for r in rows(run_dir / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))  # group 0 never went back a step
-    assert {r["replicas"] for r in metrics} == {1, 2}  # a step of one group and steps of two
+    metrics = [r for r in rows(run_dir / "metrics.jsonl") if "loss" in r]  # steps 1..STEPS once (_common)
     ref = {r["step"]: r for r in rows(runs["ref"] / "metrics.jsonl") if "loss" in r}
     for r in metrics:
         assert abs(r["loss"] - ref[r["step"]]["loss"]) < 1e-5, (r["step"], r["loss"], ref[r["step"]]["loss"])
@@ -134,7 +171,8 @@ def test_keep_survivor_steps_on_restarted_group_heals_losses_equal_one_process(r
 @pytest.mark.slow
 def test_shrink_three_kills_one_during_a_save_skipped_samples_recorded(runs):
     run_dir = runs["shrink"]
-    ev = _common(run_dir, killed=[1, 0, 0], steps=STEPS3)
+    heal_bytes = state_bytes(_last_checkpoint(runs["ref"]), 1)  # one rank per group: the checkpoint's bytes
+    ev = _common(run_dir, killed=[1, 0, 0], steps=STEPS3, heal_bytes=heal_bytes)
     fired = {r: json.loads((run_dir / f"faults_fired_replica{r}_rank0.json").read_text()) for r in (0, 1)}
     assert fired == {0: [f"crash_in_save@{THREE['crash_in_save_at_step'][0]}", f"kill@{THREE['kill_at_step'][1]}"],
                      1: [f"kill@{THREE['kill_at_step'][0]}"]}  # fmt: skip
@@ -144,6 +182,8 @@ def test_shrink_three_kills_one_during_a_save_skipped_samples_recorded(runs):
     for e in skipped:  # slot 1 of step s: global samples [8(s-1) + 4, 8s)
         assert e["samples"] == [[8 * (e["step"] - 1) + 4, 8 * e["step"]]] and e["count"] == 4
     assert len({e["step"] for e in skipped}) == len(skipped)  # each step's slice skipped once, never twice
+    alone = {r["step"] for r in rows(run_dir / "metrics.jsonl") if r.get("replicas") == 1}  # group 0 down too
+    assert {e["step"] for e in skipped} == alone  # the rows of one group: exactly the skipped steps
     total = 8 * STEPS3 * SEQ  # every sample of the run, had none been skipped
     for e in [e for e in ev if e["event"] == "stage_end"]:  # each group's count at the end: committed only
         assert next(iter(e["tokens"].values())) == total - SEQ * 4 * len(skipped)
@@ -208,6 +248,60 @@ def test_lighthouse_loss_is_a_clean_stop_and_the_rerun_resumes(tiny_corpus, tmp_
     assert ends[0]["step"] == ends[1]["step"] == steps and ends[0]["state_sha256"] == ends[1]["state_sha256"]
 
 
+# --------------------------------------------------------------------------- the run's files, the pacing
+def test_metrics_writers_share_the_log_and_a_rejoining_group_cuts_nothing(tmp_path):
+    """Two groups' loggers on one run directory (train/metrics.py): each row by the writer of its step, one
+    O_APPEND write each; a group that rejoins a live run (start without repair) leaves the rows the other wrote
+    after its checkpoint; the group that starts the run's writing (repair) drops a crashed run's rows after the
+    resume point; rows logged before the first quorum are written once the files are ready."""
+    from llmtrain.config.schema import LoggingConfig
+    from llmtrain.train.metrics import MetricsLogger
+
+    cfg = LoggingConfig(progress_bar=False, tensorboard=False, wandb=False)
+    turn = {"g0": True}
+    g0 = MetricsLogger(tmp_path, cfg, 10, 0, writer=lambda: turn["g0"])
+    g1 = MetricsLogger(tmp_path, cfg, 10, 0, writer=lambda: not turn["g0"], primary=False)
+    g0.log({"step": 0, "val_loss": 5.0})  # before the first quorum: held
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert g0.start(0, repair=True) == [] and g1.start(0, repair=False) == []
+    for step in (1, 2):
+        for g in (g0, g1):
+            g.log({"step": step, "loss": 1.0 / step})
+    turn["g0"] = False  # group 0 is down: group 1 is the quorum's first group
+    for step in (3, 4, 5):
+        for g in (g0, g1):
+            g.log({"step": step, "loss": 1.0 / step})
+    back = MetricsLogger(
+        tmp_path, cfg, 10, 2, writer=lambda: turn["g0"]
+    )  # restarted from the step-2 checkpoint
+    assert back.start(2, repair=False) == []  # it healed: a rejoin cuts nothing
+    turn["g0"] = True
+    for g in (back, g1):
+        g.log({"step": 6, "loss": 1.0 / 6})
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5, 6]
+    for g in (g0, g1, back):
+        g.close()
+    fresh = MetricsLogger(tmp_path, cfg, 10, 4, writer=lambda: True)  # a full stop, resumed at step 4
+    assert fresh.start(4, repair=True) == []
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    fresh.close()
+
+
+def test_slow_when_degraded_paces_only_the_steps_short_of_groups(tmp_path, monkeypatch):
+    from llmtrain.config.schema import FaultConfig
+    from llmtrain.train import fault
+
+    slept: list[float] = []
+    monkeypatch.setattr(fault.time, "sleep", slept.append)
+    paced = fault.FaultInjector(FaultConfig(slow_rank=0, slow_seconds=2.0, slow_when="degraded"), tmp_path)
+    paced.before_step(1, [])  # a full quorum
+    paced.degraded = True  # set by ReplicaSet.start_step: fewer groups than fault_tolerance.replicas
+    paced.before_step(2, [])
+    always = fault.FaultInjector(FaultConfig(slow_rank=0, slow_seconds=0.5), tmp_path)  # the straggler drill
+    always.before_step(1, [])
+    assert slept == [2.0, 0.5]
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def _refused(capsys, *argv: str) -> str:
     code = cli(list(argv))
@@ -224,8 +318,8 @@ def test_bad_input_refused_before_anything_starts(tiny_corpus, tmp_path, capsys)
                    "127.0.0.1:1", "--connect-timeout", "0.5")  # fmt: skip
     assert "lighthouse 127.0.0.1:1 did not answer" in err
     err = _refused(capsys, "launch", str(cfg), "--nproc-per-node", "4", "--replicas", "2",
-                   "parallel.pipeline_parallel=2")  # fmt: skip
-    assert "cannot serve parallel.pipeline_parallel" in err
+                   "parallel.pipeline_parallel=2", "train.micro_batch_size=4")  # fmt: skip
+    assert "runs the schedule on its group's slot of 4 sequences" in err  # 1 pipeline micro-batch < 2 stages
     err = _refused(
         capsys, "launch", str(cfg), "--nproc-per-node", "4", "--replicas", "2", "train.batch_size=4"
     )

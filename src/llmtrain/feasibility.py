@@ -360,11 +360,14 @@ def _pipeline(out: _Found, cfg: Config, m: ModelShape | None, pp: int, dp: int) 
             out.add("interleave_without_pp", msg)
         return
     name, v, n_mb = schedule_name(p), p.virtual_stages, pipeline_microbatches(cfg, dp)
-    if m is not None and m.num_layers < pp * v:
+    # an explicit pipeline_layers may leave the first and the last chunk empty (pipeline_layers_entries)
+    min_layers = pp * v - (2 if p.pipeline_layers is not None and pp * v > 2 else 0)
+    if m is not None and m.num_layers < min_layers:
         out.add(
             "pp_layers_min",
             f"model.num_layers {m.num_layers} is fewer than the pipeline stages: pipeline_parallel {pp} x "
-            f"virtual_stages {v} = {pp * v}; every stage needs at least one layer.",
+            f"virtual_stages {v} = {pp * v}; every stage needs at least one layer (with parallel.pipeline_layers "
+            "the first and the last may have none).",
         )
     if name in SINGLE_STAGE_SCHEDULES and v != 1:
         out.add(
@@ -411,7 +414,7 @@ def _pipeline(out: _Found, cfg: Config, m: ModelShape | None, pp: int, dp: int) 
             f"say so, or parallel.schedule: interleaved_1f1b (same pipeline_parallel {pp} and virtual_stages) "
             "to compile.",
         )
-    if m is not None and m.num_layers >= pp * v:  # (too few layers: pp_layers_min has said it)
+    if m is not None and m.num_layers >= min_layers:  # (too few layers: pp_layers_min has said it)
         out.extend(pipeline_split_problems(m.num_layers, p))
     if n_mb < pp and name != "1f1b":
         out.add(

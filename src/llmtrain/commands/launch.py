@@ -63,11 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replicas", type=int_at_least(1, 1 << 16), default=1,
         help="replica groups (torchft): a failed rank drops its group, the others keep training; the group is "
-        "restarted (--max-restarts) and heals live from a peer (default 1: one torchrun job)",
+        "restarted (--max-restarts) and heals live from a peer (default 1: one torchrun job). Several nodes "
+        "(--nnodes M --node-rank K --master-addr H): R a multiple of M (whole groups per node) or a divisor of M "
+        "(groups of M / R nodes); node 0 runs the lighthouse at H:--master-port + 1",
     )  # fmt: skip
     parser.add_argument(
         "--lighthouse", default=None, metavar="HOST:PORT",
-        help="with --replicas: a torchft lighthouse running elsewhere (default: one inside this launcher)",
+        help="with --replicas: a torchft lighthouse running elsewhere (default: one inside this launcher; on "
+        "several nodes, inside node 0's)",
     )  # fmt: skip
     parser.add_argument(
         "--stop-timeout",

@@ -8,6 +8,7 @@ the config describes on the cluster; ``--search`` ranks the alternatives, ``--cl
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from llmtrain.commands.flags import float_in, int_at_least
 from llmtrain.plan.cli import CLAIM_KEYS
@@ -36,10 +37,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "selective recompute); see docs/planner.md")  # fmt: skip
     parser.add_argument("--tp-overlap", action="store_true",
                         help="TP collectives overlap with the GEMMs (Megatron --tp-comm-overlap, async TP)")  # fmt: skip
+    parser.add_argument("--recompute-modules", default="", metavar="MODULE[,MODULE]",
+                        help="Megatron-style module recompute (recompute_modules under selective granularity): "
+                        "core_attn, mla_up_proj, mlp, moe, moe_act, layernorm; time only (docs/planner.md)")  # fmt: skip
+    parser.add_argument("--mtp-layers", type=int_at_least(0), default=0,
+                        help="multi-token-prediction layers the publishing engine trains on the last stage "
+                        "(Megatron mtp_num_layers)")  # fmt: skip
+    parser.add_argument("--grad-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="gradient buffer of the megatron / nemo engines (memory, and the bytes the data-parallel "
+                        "reduction moves): auto (Megatron-Core / NeMo / Megatron-Bridge: 16-bit with the distributed "
+                        "optimizer, fp32 under ZeRO-0), fp32 (Megatron-LM --bf16, DeepSpeed's bf16 optimizer) or "
+                        "bf16; the llmtrain and torchtitan engines keep fp32 gradients whatever it says")  # fmt: skip
+    parser.add_argument("--attention", default="flash", choices=("flash", "unfused"),
+                        help="attention kernel, every engine (time only): flash (a fused flash-attention kernel, "
+                        "default) or unfused (Megatron before flash attention, Narayanan et al. 2021 / BLOOM: "
+                        "the s x s scores as batched GEMMs and a fused softmax)")  # fmt: skip
     parser.add_argument("--failures", type=float_in(0, low_open=True), default=None, metavar="MTBF_HOURS_PER_DEVICE",
                         help="goodput under failures: restart-from-checkpoint vs replica groups, for devices that "
                         "each fail every MTBF hours (plan/goodput.py)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def layout_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that say how the layout is executed, as keyword arguments of
+    :func:`llmtrain.plan.search.layout_from_config` (and :func:`llmtrain.plan.cli.print_plan`)."""
+    return {
+        "engine": args.engine,
+        "tp_overlap": args.tp_overlap,
+        "recompute_modules": tuple(m for m in args.recompute_modules.split(",") if m),
+        "mtp_layers": args.mtp_layers,
+        "grad_dtype": args.grad_dtype,
+        "attention": args.attention,
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,8 +85,7 @@ def main(args: argparse.Namespace) -> int:
         top=args.top,
         claims=args.claim,
         as_json=args.json,
-        engine=args.engine,
-        tp_overlap=args.tp_overlap,
         failures=args.failures,
+        **layout_options(args),
     )
     return 0

@@ -101,6 +101,10 @@ class FaultConfig:
     """Slow this rank down on every step by sleeping slow_seconds before it (straggler drills; -1: none)."""
     slow_seconds: float = 0.0
     """Sleep per step of slow_rank."""
+    slow_when: Literal["always", "degraded"] = "always"
+    """Which steps of slow_rank sleep: always (every step), or degraded (with fault_tolerance: only the steps
+    whose quorum is short of groups, so the survivors of a kill are paced until the restarted group rejoins,
+    and the full steps run at full speed; a replica drill's runway is then (steps left) x slow_seconds)."""
     seed: int = 0
     """Seed of the corrupted tokens."""
 

@@ -22,6 +22,9 @@ checkpoints, host snapshots, fault drills) keeps seeing *one* module per rank:
    (``dp / tokens in the global batch`` when FSDP averages), with ``scale_grads=False``, so the gradients are
    exactly the single-process ones. The summed CE of the last stage is all-reduced over the pp group, so every
    rank returns the same loss; the grad norm is reduced over the pp group by ``precision.grad_norm_``.
+   With replica groups (``fault_tolerance``, ft/) one schedule run takes one group's slot of the global batch
+   (the micro-batches are counted over data parallel x replicas); under ``keep`` a survivor runs the schedule
+   once per slot it computes, the gradients accumulating (train/step.py; the cross-group sum: ft/grads.py).
 
 Which pipeline layouts are legal (schedule vs virtual stages, micro-batch counts, the layer split, compile
 with zero-bubble schedules) is decided by :mod:`llmtrain.feasibility` only; the runner
@@ -186,7 +189,8 @@ class PipelineRunner:
         self.n_chunks, self.pp_rank = n_chunks, pp_mesh.get_local_rank()
         self.owner = {s: r for r in range(p.pipeline_parallel) for s in stage_ids(r, p)}  # stage -> pp rank
         self._state = _StepState()
-        self.n_mb = pipeline_microbatches(cfg, dims.dp)
+        ft = cfg.fault_tolerance  # replica groups: a schedule run takes one group's slot (ft/data.py)
+        self.n_mb = pipeline_microbatches(cfg, dims.dp * (ft.replicas if ft.enabled else 1))
         name = schedule_name(p)
         schedule_cls = getattr(pipelining, SCHEDULES[name])
         stages = self.stages[0] if name in SINGLE_STAGE else self.stages
@@ -269,8 +273,12 @@ class PipelineRunner:
         with autocast(self.cfg.train.precision, self.device.type):
             self.schedule.step(*args, target=labels, return_outputs=False, **kwargs)
         self.tied.after_backward()
-        if self.moe is not None:
+        if self.moe is not None:  # several runs in one step (replica groups' keep): their figures add up
+            before = [m.step_stats for m in moe_layers(self.model)]
             self.moe.after_step(self.model, self.n_mb, tokens_per_mb)
+            for m, prev in zip(moe_layers(self.model), before):
+                if prev is not None and m.step_stats is not None:
+                    m.step_stats = (prev[0] + m.step_stats[0], prev[1] + m.step_stats[1])
         self._state = _StepState()
         return self._reduce(recorded)
 

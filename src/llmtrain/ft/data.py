@@ -88,6 +88,14 @@ class ReplicaBatches:
         inner.dp_rank, inner.consumed_samples = self.group_rank, start + inner.global_batch_size
         return out
 
+    def split_slots(self, items: list) -> list[list]:
+        """``items`` (this step's micro-batches, :meth:`next_step`'s order) cut per slot: a pipeline schedule
+        takes a fixed number of micro-batches, so under ``keep`` it runs once per slot (train/step.py)."""
+        n = max(len(self.slots()), 1)
+        per = len(items) // n
+        assert per * n == len(items), (len(items), n)
+        return [items[i * per : (i + 1) * per] for i in range(n)]
+
     def slot_range(self, j: int) -> range:
         assert self._start is not None
         lo = self._start + j * self.slot_size

@@ -24,6 +24,16 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """The lighthouse's address (http://HOST:PORT), torchft's own variable; ``fault_tolerance.lighthouse`` wins."""
 
 
+def fsdp_hook_sums(pipelined: bool, policy: str, replicas: int) -> bool:
+    """Whether FSDP2's all-reduce hook may carry the cross-group gradient sum (ft/grads.py): only when every group
+    calls it equally often in a step, because each call is one collective across the groups. A pipeline schedule
+    reduces each stage once per schedule run, and ``keep`` runs the schedule once per slot a group covers; without
+    pipelining, ZeRO-3 reduces every micro-batch, and ``keep`` over three or more groups can leave survivors
+    covering different numbers of a missing group's slots. In those cases every gradient is summed once, after
+    the backward (``sum_grads``). The planner costs the same choice (plan/replicas.py)."""
+    return not pipelined and not (policy == "keep" and replicas > 2)
+
+
 def first_group() -> bool:
     """True outside replica groups and in group 0 (which writes metrics.jsonl and holds the run's lock)."""
     return os.environ.get(REPLICA_ENV, "0") == "0"
@@ -87,21 +97,13 @@ def check_group(cfg: Config, world_size: int) -> None:
             f"fault.kill_replicas = {kills} must name one group (0 .. {ft.replicas - 1}) for each of "
             f"fault.kill_at_step = {cfg.fault.kill_at_step}, in order."
         )
-    refused = [
-        (cfg.parallel.pipeline_parallel > 1, "parallel.pipeline_parallel > 1",
-         "a pipeline schedule takes a fixed number of micro-batches, which the keep policy changes"),
-        (bool(cfg.stages), "stages:", "a staged curriculum has its own batch arithmetic per stage"),
-        (cfg.parallel.expert_parallel > 1, "parallel.expert_parallel > 1",
-         "expert parameters live on an expert mesh the cross-group all-reduce hook does not cover yet"),
-        (cfg.parallel.context_parallel > 1, "parallel.context_parallel > 1",
-         "the loss of a context-parallel group is summed over its own ranks first, not yet across groups"),
-    ]  # fmt: skip
-    for bad, key, why in refused:
-        if bad:
-            raise ConfigError(
-                f"fault_tolerance.enabled: true cannot serve {key}: {why}. Use replica groups with FSDP and/or "
-                "tensor parallel inside each group, or switch fault tolerance off (torchrun's elastic restart)."
-            )
+    if cfg.stages:  # the one layout replica groups do not serve (pipeline, context and expert parallel do)
+        raise ConfigError(
+            "fault_tolerance.enabled: true cannot serve stages: (a staged curriculum): each stage switches "
+            "the batch arithmetic and the data mixture, which the replica groups' slices of the global batch do "
+            "not follow yet. Use one stage (move the stage's settings to train:/data:), or switch fault "
+            "tolerance off (torchrun's elastic restart)."
+        )
     from llmtrain.distributed.parallel_dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
@@ -114,6 +116,20 @@ def check_group(cfg: Config, world_size: int) -> None:
             f"fault_tolerance.replicas {ft.replicas} = {per_pass}: each group reads an equal slice. Use a "
             f"multiple of {per_pass}."
         )
+    if dims.pp > 1:  # a schedule run takes one group's slot (ft/data.py; keep runs it once per slot)
+        from llmtrain.feasibility import pipeline_microbatches, schedule_name
+
+        n_mb = pipeline_microbatches(cfg, dims.dp * ft.replicas)
+        slot = cfg.train.batch_size // (dims.dp * ft.replicas)
+        if slot % n_mb or (schedule_name(cfg.parallel) == "1f1b" and n_mb < dims.pp):
+            raise ConfigError(
+                f"parallel.pipeline_parallel {dims.pp} with fault_tolerance.replicas {ft.replicas}: each "
+                f"pipeline rank runs the schedule on its group's slot of {slot} sequences (train.batch_size "
+                f"{cfg.train.batch_size} / data parallel {dims.dp} / replicas {ft.replicas}) in {n_mb} pipeline "
+                "micro-batches (parallel.micro_batch_num, or slot / train.micro_batch_size when it is 1), which "
+                f"must divide the slot{' and be at least pipeline_parallel (1f1b)' if n_mb < dims.pp else ''}. "
+                "Raise train.batch_size or set parallel.micro_batch_num to fit."
+            )
     require_pinned()
 
 

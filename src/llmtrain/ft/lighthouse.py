@@ -8,6 +8,10 @@ fails after ``fault_tolerance.quorum_timeout_s`` (ft/replicas.py ``LighthouseLos
 :data:`LIGHTHOUSE_LOST_EXIT_CODE`), and the launcher, watching a remote lighthouse, sends every group SIGTERM and
 exits with the same code. Nothing partial is committed; the same command resumes from the newest checkpoint once
 a lighthouse runs again.
+
+Several nodes (ft/launch.py): node 0's launcher embeds it at ``--master-port + 1`` (:func:`start` with that
+port); the other nodes' launchers wait for it like a remote one (:func:`require_reachable`) and watch it. Losing
+node 0 is therefore losing the lighthouse: every other node's groups stop with the same exit code.
 """
 
 from __future__ import annotations
@@ -56,11 +60,19 @@ def require_reachable(address: str, timeout_s: float) -> None:
         )
 
 
-def start(min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> Any:
-    """An embedded lighthouse on a free port of this host (``.address()``: its http:// address)."""
+def start(min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float, port: int = 0) -> Any:
+    """An embedded lighthouse on ``port`` of this host, every interface (0: a free one; ``.address()``: its
+    http:// address). ConfigError when the port is taken."""
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(
-        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
-        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
-    )  # fmt: skip
+    try:
+        return LighthouseServer(
+            bind=f"[::]:{port}", min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
+            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+        )  # fmt: skip
+    except (RuntimeError, OSError) as e:
+        raise ConfigError(
+            f"the embedded lighthouse could not listen on port {port} ({str(e).splitlines()[0] if str(e) else e!r}): "
+            "several nodes use --master-port + 1 on node 0; choose another --master-port, or run a lighthouse "
+            "elsewhere and pass --lighthouse HOST:PORT."
+        ) from None

@@ -3,7 +3,8 @@
 :func:`attach` (called by the trainer when ``fault_tolerance.enabled``) builds torchft's ``Manager`` over a
 reconfigurable gloo/NCCL process group spanning the groups, registers the live state (ft/state.py) for healing,
 installs the cross-group gradient all-reduce (FSDP2's all-reduce hook on every FSDP module: it runs on each
-reduce-scattered shard, HSDP-style; without FSDP the gradients are all-reduced after the backward), wraps the
+reduce-scattered shard, HSDP-style; the gradients no hook covers, all of them under pipeline parallel, are
+all-reduced after the backward: ft/grads.py), wraps the
 batches (ft/data.py) and adds a callback for the ``run_end`` fingerprint. The trainer then calls, per step::
 
     replicas.start_step(trainer)      # quorum (a lagging group heals here: its step jumps to the peers')
@@ -14,8 +15,10 @@ Gradients are *summed* across groups, and the loss is normalised by the token co
 (``sum_``), so a full quorum computes the single-process gradient of the global batch, and ``keep`` (the
 survivors compute the missing slices) computes it too. Events (``events.jsonl``, each row with ``replica``):
 ``quorum`` and ``replica_lost`` / ``replica_joined`` when the membership changes (written by the first group of
-the quorum), ``heal`` (seconds, bytes: by the healed group), ``samples_skipped`` (shrink), ``step_retried``,
-and one ``run_end`` per group with ``state_sha256``.
+the quorum), ``heal`` (by the healed group: the slowest rank's seconds, the bytes of all its ranks),
+``samples_skipped`` (shrink), ``step_retried``, and one ``run_end`` per group with ``state_sha256``. The first
+group of each step's quorum writes the run's files (:meth:`ReplicaSet.writes_run_files`): the checkpoint and the
+step's ``metrics.jsonl`` row (with ``replicas``), so the metrics go on while group 0 is down.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch.distributed as dist
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.ft.data import ReplicaBatches
-from llmtrain.ft.layout import LIGHTHOUSE_ENV, ReplicaLayout
+from llmtrain.ft.grads import fsdp_units, hook_coverage, sum_grads
+from llmtrain.ft.layout import LIGHTHOUSE_ENV, ReplicaLayout, fsdp_hook_sums
 from llmtrain.ft.lighthouse import LIGHTHOUSE_LOST_EXIT_CODE
 from llmtrain.ft.state import live_state, load_live_state, state_bytes, state_sha256
 from llmtrain.train.callbacks import Callback
@@ -80,6 +84,18 @@ def _store(group_rank: int, group_world: int) -> tuple[str, int]:
     return box[0]
 
 
+def _group_total(size: int, seconds: float, device: torch.device) -> tuple[int, float]:
+    """The heal of the whole group: ``size`` summed over the group's ranks (each received its own shards), the
+    slowest rank's ``seconds`` (the default process group is the group's ranks)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return size, seconds
+    total = torch.tensor([size], dtype=torch.int64, device=device)
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return int(total.item()), float(slowest.item())
+
+
 class ReplicaSet:
     """torchft's manager for this group, and the hooks of the module docstring."""
 
@@ -121,24 +137,25 @@ class ReplicaSet:
 
     # ---- gradients
     def _install_hooks(self, model: torch.nn.Module) -> bool:
-        from torch.distributed.fsdp import FSDPModule
-
-        fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for m in fsdp:
-            m.set_all_reduce_hook(self._all_reduce_hook)
-        return bool(fsdp)
+        """FSDP2's all-reduce hook on every FSDP unit of ``model`` (where ``fsdp_hook_sums`` allows); the parameters
+        no hook reduces are summed by :meth:`sync_grads`. True when any hook was installed."""
+        pipelined = getattr(self.trainer.step_fn, "pipeline", None) is not None
+        ft = self.trainer.cfg.fault_tolerance
+        hooks = fsdp_hook_sums(pipelined, ft.batch_policy, ft.replicas)
+        hooked, self._explicit = hook_coverage(model, hooks)
+        if hooked:
+            for m in fsdp_units(model):
+                m.set_all_reduce_hook(self._all_reduce_hook)
+        return bool(hooked)
 
     def _all_reduce_hook(self, output: torch.Tensor) -> None:
         self.manager.allreduce(output, reduce_op=dist.ReduceOp.SUM).wait()
 
     def sync_grads(self, model: torch.nn.Module) -> None:
-        """Without FSDP (no hook): sum every gradient across the groups after the backward."""
-        if self._hooked:
-            return
-        for p in model.parameters():
-            if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                self.manager.allreduce(g, reduce_op=dist.ReduceOp.SUM).wait()
+        """After the backward: sum the gradients no FSDP hook reduced (all of them without FSDP or under
+        pipeline parallel; expert parameters outside FSDP) across the groups, in one all-reduce."""
+        if self._explicit:
+            sum_grads(self._explicit, self.sum_)
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the groups of this step's quorum (in place; returned)."""
@@ -161,13 +178,19 @@ class ReplicaSet:
         self.participants = max(self.manager.num_participants(), 1)
         self.position = self.manager.participating_rank() or 0
         trainer.batches.begin(self.participants, self.position)
+        trainer.faults.degraded = self.participants < self.layout.replicas  # fault.slow_when: degraded
         healed_now = self._healed is not None
-        if self._healed is not None:
+        if self._healed is not None:  # every rank of the group healed (torchft heals a group as a whole)
             healed, self._healed = self._healed, None
+            size, seconds = _group_total(healed["bytes"], time.time() - t0, trainer.device)
             trainer.events.write(
-                "heal", step=trainer.step, from_step=before, seconds=round(time.time() - t0, 3),
-                bytes=healed["bytes"],
-            )  # fmt: skip
+                "heal", step=trainer.step, from_step=before, seconds=round(seconds, 3), bytes=size
+            )
+        if self.members is None:  # this process's first quorum, before any group passes it (the mask's sum):
+            # the metrics files are repaired by the group that starts a run's writing, never by one that
+            # rejoins a live run (it healed): the others are appending to them (train/metrics.py)
+            for text in trainer.metrics.start(trainer.step, repair=not healed_now and self.position == 0):
+                trainer.events.write("log_damaged", reason=text)
         mask = torch.zeros(self.layout.replicas, dtype=torch.float32)
         mask[self.layout.replica_id] = 1.0
         members = [i for i, v in enumerate(self.sum_(mask).tolist()) if v > 0]
@@ -215,9 +238,14 @@ class ReplicaSet:
             )  # fmt: skip
         return committed
 
-    def writes_checkpoints(self) -> bool:
-        """The first group of the quorum (the lowest live replica id) writes the run's checkpoints."""
+    def writes_run_files(self) -> bool:
+        """The first group of the step's quorum (the lowest live replica id) writes the run's files: its
+        checkpoints and each step's metrics row (validation, TensorBoard, the loss plot)."""
         return self.position == 0
+
+    def writes_checkpoints(self) -> bool:
+        """The run's checkpoints: :meth:`writes_run_files`."""
+        return self.writes_run_files()
 
     def row(self) -> dict[str, int]:
         """Fields of the step's metrics row."""

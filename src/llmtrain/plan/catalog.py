@@ -11,6 +11,8 @@ devices with a YAML file in the same layout (``llmtrain plan --catalog FILE``). 
   (NVLink / HCCS) and between nodes (InfiniBand / RoCE);
 * ``peak_fp8_tflops``: dense FP8 tensor FLOP/s (0 or absent: no FP8), what ``train.fp8``'s linear GEMMs run at;
 * ``host_link_gbps``: host <-> device copy bandwidth in GB/s per direction (activation offload's copies);
+* ``attention_tflops``: flash attention's published forward + backward rate on the device (0: a fixed share of
+  the GEMM ceiling);
 * ``matmul_efficiency``: the ceiling of the GEMM-efficiency curve (:mod:`llmtrain.plan.gemm`), the fraction of
   peak the largest GEMMs of a training step sustain; smaller GEMMs get less. Unset, the planner's one global
   value (:data:`DEFAULT_MATMUL_EFFICIENCY`) applies, so published figures are never fitted per device.
@@ -36,11 +38,11 @@ import yaml
 
 from llmtrain.errors import ConfigError
 
-DEFAULT_MATMUL_EFFICIENCY = 0.625
+DEFAULT_MATMUL_EFFICIENCY = 0.6
 """Ceiling of the GEMM-efficiency curve: the fraction of peak the largest GEMMs of a training step sustain (one
-global value: the 0.025-grid optimum of the tokens/s error on the fit half of the published runs only, the
-Megatron-LM README and Narayanan et al. rows of tests/test_plan_published.py, which asserts it; the other
-sources are held out. Not a standalone cuBLAS figure, which is higher: it also carries the clock and SM losses
+global value: fitted jointly with the GEMM curve's ``bandwidth_fraction`` and ``dp_overlap`` (plan/timing.py),
+the grid optimum of the tokens/s error on the fit half of the published runs only, the Megatron-LM README and
+Narayanan et al. rows of tests/test_plan_published.py, which asserts it; the other sources are held out. Not a standalone cuBLAS figure, which is higher: it also carries the clock and SM losses
 of a loaded training step)."""
 
 DEFAULT_HOST_LINK_GBPS = 25.0
@@ -67,7 +69,16 @@ class Device:
     """Dense FP8 tensor FLOP/s (0: the device has no FP8 training GEMMs)."""
     host_link_gbps: float = DEFAULT_HOST_LINK_GBPS
     """Per-device host <-> device copy bandwidth, GB/s per direction (pinned memory over PCIe)."""
+    attention_tflops: float = 0.0
+    """Flash attention's forward + backward TFLOP/s on this device (causal, head dim 128, long sequences), as
+    the kernel's authors publish it (FlashAttention-2, Dao 2023); 0: ``Efficiency.attention_ratio`` of the
+    GEMM ceiling (plan/timing.py)."""
     sources: str = ""
+
+    @property
+    def attention_flops(self) -> float:
+        """Flash attention's FLOP/s (0 when the catalog gives no measured rate)."""
+        return self.attention_tflops * 1e12
 
     @property
     def peak_fp8_flops(self) -> float:
@@ -214,12 +225,12 @@ def _parse(data: Any, source: str, base: Catalog) -> Catalog:
                        dev.inter_node_bw_gbs, dev.devices_per_node, dev.matmul_efficiency]  # fmt: skip
             numbers.append(dev.host_link_gbps)
             if (any(float(x) <= 0 for x in numbers) or not 0 < float(dev.matmul_efficiency) <= 1
-                    or float(dev.peak_fp8_tflops) < 0):  # fmt: skip
+                    or float(dev.peak_fp8_tflops) < 0 or float(dev.attention_tflops) < 0):  # fmt: skip
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError(
                 f"device catalog {source}: devices.{name} needs positive numbers for {', '.join(_REQUIRED)} "
-                f"(and host_link_gbps when given), a matmul_efficiency in (0, 1] and a peak_fp8_tflops >= 0."
+                f"(and host_link_gbps when given), a matmul_efficiency in (0, 1] and a peak_fp8_tflops and attention_tflops >= 0."
             ) from None
         devices[key] = dev
     extra_aliases = data.get("aliases") or {}

@@ -100,6 +100,25 @@ def check_claims(claims: list[str], result: PlanResult, cluster: Cluster, total_
     return out
 
 
+def _replica_groups(result: PlanResult) -> dict | None:
+    """The replica groups of the layout (``fault_tolerance.replicas``) and their cross-group all-reduce, or
+    None without them."""
+    lay = result.layout
+    if lay.replicas <= 1:
+        return None
+    from llmtrain.plan.layout import rank_params, rank_shapes
+    from llmtrain.plan.replicas import replica_all_reduce_bytes
+
+    args = getattr(result, "memory_args", None)
+    hooked = explicit = 0.0
+    if args is not None:
+        for shape in rank_shapes(args, lay):
+            h, e = replica_all_reduce_bytes(lay, *rank_params(args, lay, shape))
+            hooked, explicit = max(hooked, h), max(explicit, e)
+    return {"groups": lay.replicas, "ranks_per_group": lay.group_world, "hooked_bytes": hooked,
+            "explicit_bytes": explicit, "all_reduce_s": result.time.parts.get("replica_all_reduce", 0.0)}  # fmt: skip
+
+
 def plan_dict(result: PlanResult, cluster: Cluster, total_tokens: int, warnings: list[str]) -> dict:
     """The --json contract."""
     tps = result.tokens_per_s_per_device
@@ -116,6 +135,7 @@ def plan_dict(result: PlanResult, cluster: Cluster, total_tokens: int, warnings:
         "memory_reserved_bytes": result.memory.reserved,
         "memory_detail_bytes": {**result.memory.details, "host_offload": result.memory.host_bytes},
         "memory_worst_stage": result.memory.stage,
+        "replica_groups": _replica_groups(result),
         "step_time_s": t.total,
         "step_time_parts_s": {
             "compute": t.compute,
@@ -153,11 +173,16 @@ def print_plan(
     engine: str = "llmtrain",
     tp_overlap: bool = False,
     failures: float | None = None,
+    recompute_modules: tuple[str, ...] = (),
+    mtp_layers: int = 0,
+    grad_dtype: str = "auto",
+    attention: str = "flash",
 ) -> None:
     """Plan ``config`` (with ``overrides``) on ``cluster_spec`` (None: from the config) and print the table, or
     one JSON object with ``as_json``; ``search_layouts`` adds the ``top`` ranked layouts, ``claims`` the verdicts
     on stated figures (``KEY=VALUE``, KEY one of CLAIM_KEYS). ``engine`` (llmtrain: this trainer; megatron:
-    Megatron-style implementations) and ``tp_overlap`` say how the layout is executed (plan/layout.py)."""
+    Megatron-style implementations), ``tp_overlap``, ``grad_dtype`` and ``attention`` say how the layout is
+    executed (plan/layout.py)."""
     cfg, _notes = load_config(config, overrides)
     cluster = resolve_cluster(cfg, cluster_spec, catalog)
     layout, margs, tokens_per_step = layout_from_config(
@@ -167,6 +192,10 @@ def print_plan(
         offload,
         engine=engine,
         tp_overlap=tp_overlap,
+        recompute_modules=recompute_modules,
+        mtp_layers=mtp_layers,
+        grad_dtype=grad_dtype,
+        attention=attention,
     )
     fused = bool(cfg.train.compile)
     result = evaluate(margs, layout, cluster, tokens_per_step, fused)
@@ -261,6 +290,16 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
         f"{out['model']['seq_length']}, on {out['cluster']}",
         f"layout: {out['layout']}  ({out['tokens_per_step']:,} tokens per step)",
         f"engine: {out['engine']} ({ENGINE_SUMMARY[out['engine']]}; --engine to change)",
+    ]
+    if rg := out.get("replica_groups"):
+        g = rg["ranks_per_group"]
+        lines.append(
+            f"replica groups: {rg['groups']} x {g} ranks (ranks {g} x r .. {g} x r + {g - 1} form group r; the "
+            f"layout is one group's); cross-group all-reduce per rank per step: "
+            f"{rg['hooked_bytes'] / GIB:.2f} GiB in FSDP's reduce path (overlapped like the reduce-scatter), "
+            f"{rg['explicit_bytes'] / GIB:.2f} GiB after the backward (exposed): {rg['all_reduce_s']:.3f} s"
+        )
+    lines += [
         "",
         f"memory per device (worst pipeline stage {out['memory_worst_stage']}):",
     ]
@@ -269,12 +308,14 @@ def render(out: dict, result: PlanResult, ranked: list[PlanResult]) -> str:
             ("  gathered weights (FSDP, fp32)", det["gathered_parameters"]),
             ("  autocast weight copies (bf16)", det["autocast_weight_copies"]),
             ("  unsharded gradients (one block)", det["unsharded_gradients"]),
+            ("  backward temporaries (one block)", det.get("backward_temporaries", 0.0)),
+            ("  replica all-reduce buffer (fp32)", det.get("replica_all_reduce_buffer", 0.0)),
             ("  MoE dispatch buffers", det["moe_dispatch_buffers"]),
             ("  logits and loss" + (f" (chunked, {chunk} tokens)" if (chunk := out.get("loss_chunk_tokens"))
                                     else ""), det["logits_and_loss"]),
             ("  CP boolean mask (per micro-batch)", det.get("cp_mask", 0.0)),
             ("  CP additive mask (one for all layers)", det.get("cp_additive_mask", 0.0)),
-            ("other (sum of the seven above)", m["other"]),
+            ("other (sum of the nine above)", m["other"]),
             ("not live at once (logits / recompute / grads)", -m["not_concurrent"]),
             ("total (the step's peak)", m["total"]),
             ("reserved by the caching allocator (est.)", out["memory_reserved_bytes"]),

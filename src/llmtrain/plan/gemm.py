@@ -35,7 +35,8 @@ ConfigError naming the device when it has none); the router, the routed experts,
 itself stay at the bf16 peak. The operand traffic stays at the activation dtype (standing for the fp8 casts).
 
 Multi-head latent attention (``kv_lora_rank`` > 0) is costed as one ``h -> A / (h t)`` projection of the same
-parameter count ``A``. Flash attention is not a GEMM here: its FLOPs run at ``e x attention_ratio``.
+parameter count ``A``. Flash attention is not a GEMM here: its FLOPs run at the device's published
+flash-attention rate (``plan/timing.py``).
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ from llmtrain.plan.layout import Layout, ParamShape
 class GemmModel:
     """The global constants of the GEMM curve (the ceiling ``e`` is the device's ``matmul_efficiency``)."""
 
-    bandwidth_fraction: float = 0.5
-    """``beta``: the fraction of memory bandwidth that a GEMM's operand traffic moves at."""
+    bandwidth_fraction: float = 0.9
+    """``beta``: the fraction of memory bandwidth that a GEMM's operand traffic moves at (fitted jointly with
+    the ceiling ``e`` and ``dp_overlap`` on the fit half of the published runs, tests/test_plan_published.py)."""
     kernel_s: float = 4e-6
-    """``tau``: fixed cost of one GEMM kernel (launch, tail wave)."""
+    """``tau``: fixed cost of one GEMM kernel (launch, tail wave; a kernel launch's few microseconds, not fitted:
+    the fit half's MAE is flat in it)."""
 
 
 def gemm_time(
@@ -126,9 +129,47 @@ def block_gemm_time(
     return seconds, flops
 
 
+def module_forward_gemm_time(
+    args: TransformerArgs, lay: Layout, dev: Device, tokens: float, module: str, model: GemmModel
+) -> float:
+    """Seconds of the forward GEMMs of one block's Megatron recompute ``module`` on one rank (what recomputing
+    it runs again): ``mla_up_proj`` the MLA up-projections (``q_lora_rank -> heads x (nope + rope)`` and
+    ``kv_lora_rank -> heads x (nope + v)``, split over TP); ``mlp`` a dense block's MLP; ``moe`` a MoE block's
+    router, routed experts (as in :func:`block_gemm_time`) and shared experts; 0 for the other modules."""
+    h = args.hidden_size
+    peak = fp8_peak_flops(dev, lay.fp8) if lay.fp8 != "none" else None
+    b = lay.act_bytes
+    if module == "mla_up_proj":
+        if not args.kv_lora_rank:
+            return 0.0
+        heads = args.num_heads / lay.tp
+        out = gemm_time(dev, tokens, heads * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank,
+                        b, model, peak)  # fmt: skip
+        if args.q_lora_rank:
+            q = heads * (args.qk_nope_head_dim + args.qk_rope_head_dim)
+            out += gemm_time(dev, tokens, q, args.q_lora_rank, b, model, peak)
+        return out
+    if module == "mlp":
+        return sum(c * gemm_time(dev, tokens, n, k, b, model, peak)
+                   for k, n, c in _mlp_gemms(h, args.intermediate_size, lay))  # fmt: skip
+    if module == "moe":
+        local = max(args.num_experts // max(lay.ep, 1), 1)
+        per_expert = tokens * lay.expert_rows_share * args.top_k * lay.ep / args.num_experts
+        out = gemm_time(dev, tokens, args.num_experts, h, b, model)
+        out += sum(c * local * gemm_time(dev, per_expert, n, k, b, model)
+                   for k, n, c in _mlp_gemms(h, args.moe_hidden_size, lay, tp=lay.etp))  # fmt: skip
+        if args.shared_experts:
+            out += sum(c * gemm_time(dev, tokens, n, k, b, model, peak)
+                       for k, n, c in _mlp_gemms(h, args.shared_experts * args.moe_hidden_size, lay))  # fmt: skip
+        return out
+    return 0.0
+
+
 def head_gemm_time(args: TransformerArgs, lay: Layout, dev: Device, tokens: float, model: GemmModel) -> float:
     """Seconds of the output projection's three GEMMs (forward + backward) on one TP rank."""
     return 3 * gemm_time(dev, tokens, args.vocab_size / lay.tp, args.hidden_size, lay.act_bytes, model)
 
 
-__all__ = ["GemmModel", "block_gemm_time", "efficiency", "gemm_time", "head_gemm_time"]
+__all__ = [
+    "GemmModel", "block_gemm_time", "efficiency", "gemm_time", "head_gemm_time", "module_forward_gemm_time",
+]  # fmt: skip

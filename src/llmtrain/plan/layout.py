@@ -9,7 +9,7 @@ choices of *how* the layout is executed that the planner cannot read from a conf
   ``megatron``: how Megatron-style implementations (Megatron-LM / Megatron-Core, NeMo with Transformer Engine,
   Megatron-DeepSpeed, MindFormers in graph mode) run the same layout: bf16 weights and residual stream, fused
   kernels also under TP, sequence-parallel inputs saved sharded and gathered again in backward, the
-  distributed optimizer's bf16 gradient buffer, fused QKV / gate-up GEMMs; ``nemo``: the same as NeMo runs it
+  distributed optimizer's gradient buffer (16-bit, or fp32: ``grad_dtype``), fused QKV / gate-up GEMMs; ``nemo``: the same as NeMo runs it
   with its distributed Adam (Apex), which keeps only the 16-bit remainders of the fp32 master weights
   (``store_param_remainders``, NeMo's default for bf16 models); ``torchtitan``: PyTorch's torchtitan, the same
   stack as this trainer (FSDP2, DTensor TP, torch pipelining) but run as torchtitan runs it: FSDP2 with a bf16
@@ -23,8 +23,11 @@ choices of *how* the layout is executed that the planner cannot read from a conf
   ``--tp-comm-overlap`` / Transformer Engine userbuffers, torch async TP); off by default, as in this trainer.
 
 Read from the config as well: ``fp8`` (``train.fp8``), ``loss_chunk_tokens`` (``train.loss_chunk_tokens``),
-``document_mask`` (``model.document_mask``) and ``recompute`` ``offload`` (``recompute.mode: offload``, the
-saved activations to host memory; ``offload`` the field is FSDP2's CPU offload of the training state).
+``document_mask`` (``model.document_mask``), ``recompute`` ``offload`` (``recompute.mode: offload``, the
+saved activations to host memory; ``offload`` the field is FSDP2's CPU offload of the training state) and
+``replicas`` (``fault_tolerance.replicas`` when enabled: the degrees are one replica group's). Two more describe
+what a published Megatron-style recipe runs: ``recompute_modules`` (Megatron's module recompute) and
+``mtp_layers`` (multi-token-prediction layers on the last stage).
 
 Pipeline placement follows ``distributed/pipeline.py``: the layers split into ``pp x v`` stage chunks
 (``parallel.pipeline_layers``, or an even split; the planner gives a remainder to the first chunks so it can
@@ -59,8 +62,16 @@ MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 RECOMPUTE_MODES = ("none", "selective", "full", "offload")
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+"""Bytes per parameter of this trainer's fp32 master weights and gradients, and of AdamW's two fp32 moments."""
 ENGINES = ("llmtrain", "megatron", "nemo", "torchtitan")
 REDUCE_GRADS = ("auto", "per_step", "per_microbatch")
+GRAD_DTYPES = ("auto", "fp32", "bf16")
+"""The Megatron-style engines' gradient buffer dtype (``Layout.grad_dtype``)."""
+ATTENTION_KERNELS = ("flash", "unfused")
+"""How the attention core runs (``Layout.attention``)."""
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe", "moe_act", "layernorm")
+"""Megatron-Core's selective recompute modules the planner costs (``Layout.recompute_modules``)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,36 @@ class Layout:
     """``train.loss_chunk_tokens`` (None: the trainer's automatic rule, train/loss.py)."""
     document_mask: bool = False
     """``model.document_mask``: under context parallel the dense mask has a batch dimension."""
+    recompute_modules: tuple[str, ...] = ()
+    """Megatron-style module recompute (``--recompute-modules``; Megatron's ``recompute_modules`` under
+    ``recompute_granularity: selective``): the forward of each named part of every block runs again in
+    backward, one of :data:`RECOMPUTE_MODULES`. Time (``plan/timing.py``); memory for ``mla_up_proj`` in the
+    Megatron-style engines (core attention's q, k, v dropped, the latents kept: ``plan/memory.py``), the
+    others' savings not modelled; this trainer recomputes whole blocks (``recompute``)."""
+    replicas: int = 1
+    """``fault_tolerance.replicas`` (torchft replica groups, with ``fault_tolerance.enabled``): the job is
+    ``replicas`` groups of :attr:`group_world` ranks; every degree above is one group's, and the gradient shards
+    are also all-reduced across the groups (:mod:`~llmtrain.plan.replicas`)."""
+    replica_policy: str = "shrink"
+    """``fault_tolerance.batch_policy`` (``shrink`` | ``keep``): with ``keep`` over three or more groups the
+    cross-group sum runs after the backward, not in FSDP's hook (``ft.layout.fsdp_hook_sums``)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers trained on the last stage (``--mtp-layers``; Megatron's ``mtp_num_layers``):
+    each one more block of the last layer's kind, an ``2h -> h`` projection and one more output projection +
+    loss on the head rank."""
+    attention: str = "flash"
+    """The attention kernel: ``flash`` (a fused flash-attention kernel: causal block skipping, nothing of size
+    ``s x s`` in memory; every engine today) or ``unfused`` (Megatron-LM before flash attention, as Narayanan et
+    al. 2021 ran: batched ``Q K^T`` and ``P V`` GEMMs over all ``s x s`` scores, a fused scale-mask-softmax
+    kernel and attention dropout on the materialized scores; no published rate: costed at
+    ``Efficiency.attention_ratio`` of the GEMM ceiling). Time only (``plan/timing.py``); ``--attention``."""
+    grad_dtype: str = "auto"
+    """The Megatron-style engines' gradient buffer (main grads): ``auto`` (Megatron-Core's
+    ``DistributedDataParallelConfig.grad_reduce_in_fp32 = False``: 16 bits, fp32 under ZeRO-0), ``fp32``
+    (Megatron-LM's ``--bf16`` default, megatron/training/arguments.py: ``accumulate_allreduce_grads_in_fp32``
+    unless ``--grad-reduce-in-bf16``; DeepSpeed's bf16 optimizer; the Llama 3 paper's FP32 accumulation) or
+    ``bf16``. The other engines keep fp32 gradients (:attr:`grad_bytes`). Memory (``plan/memory.py``) and the
+    bytes the data-parallel reduction moves (``plan/timing.py``); ``--grad-dtype``."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -110,6 +151,18 @@ class Layout:
             raise ConfigError(f"train.fp8 {self.fp8!r} is not one of {', '.join(FP8_RECIPES)}.")
         if self.engine not in ENGINES:
             raise ConfigError(f"--engine {self.engine!r} is not one of {', '.join(ENGINES)}.")
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise ConfigError(f"--grad-dtype {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}.")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"--attention {self.attention!r} is not one of {', '.join(ATTENTION_KERNELS)}.")
+        if bad := [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]:
+            raise ConfigError(
+                f"--recompute-modules {','.join(bad)}: each must be one of {', '.join(RECOMPUTE_MODULES)}."
+            )
+        if self.replicas < 1:
+            raise ConfigError(f"fault_tolerance.replicas {self.replicas} must be 1 or more.")
+        if self.mtp_layers < 0:
+            raise ConfigError(f"--mtp-layers {self.mtp_layers} must be 0 or more.")
         if self.reduce_grads not in REDUCE_GRADS:
             raise ConfigError(
                 f"parallel.reduce_grads {self.reduce_grads!r} is not one of {', '.join(REDUCE_GRADS)}."
@@ -120,8 +173,13 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def world_size(self) -> int:
+    def group_world(self) -> int:
+        """Ranks of one replica group (the whole job without replica groups)."""
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.group_world * self.replicas
 
     @property
     def shard_degree(self) -> int:
@@ -187,6 +245,17 @@ class Layout:
         return PRECISION_BYTES[self.precision]
 
     @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element as the engine keeps and reduces them: 4 in this trainer and torchtitan
+        (fp32 ``reduce_dtype``); in the Megatron-style engines the :attr:`grad_dtype` buffer (``auto``: the
+        16-bit buffer with the distributed optimizer, fp32 main grads under ZeRO-0)."""
+        if not self.megatron_engine or self.grad_dtype == "fp32":
+            return 4
+        if self.grad_dtype == "bf16":
+            return 2
+        return 4 if self.zero_stage == 0 else self.act_bytes
+
+    @property
     def chunks_per_rank(self) -> int:
         """Stage chunks one pipeline rank runs (virtual stages of the multi-chunk schedules; zbv: 2)."""
         if self.pp == 1 or self.schedule not in MULTI_CHUNK_SCHEDULES:
@@ -201,8 +270,16 @@ class Layout:
     @property
     def grad_sync(self) -> str:
         """per_step / replicate_per_step / per_microbatch: ``distributed.grad_sync.sync_mode`` of this layout
-        (without accumulation, or under PP, where the schedule reduces on its last micro-batch: per_step)."""
-        if self.grad_accum == 1 or self.pp > 1:
+        (without accumulation, or under PP, where the schedule reduces on its last micro-batch: per_step). The
+        Megatron-style engines: ZeRO 0-1 reduce once per step (DDP's and the distributed optimizer's gradient
+        buffer is whole, reduced after the last micro-batch), ZeRO 2-3 every micro-batch (the buffer is sharded:
+        Megatron-FSDP's ``optim_grads``, the Llama 3 paper's FSDP reduce-scatter each micro-batch's block
+        gradient into the shard; plan/memory.py holds it so)."""
+        if self.grad_accum == 1:
+            return "per_step"
+        if self.megatron_engine:
+            return "per_microbatch" if self.zero_stage >= 2 else "per_step"
+        if self.pp > 1:
             return "per_step"
         mode = cast(Any, self.reduce_grads)  # one of REDUCE_GRADS (checked in __post_init__)
         return sync_mode(ParallelConfig(zero_stage=self.zero_stage, data_parallel_replicate=self.dp_replicate,
@@ -222,11 +299,20 @@ class Layout:
                 parts.append("layers" + "-".join(str(n) for n in self.pipeline_layers))
         if self.engine != "llmtrain":
             parts.append(f"engine-{self.engine}")
+        if self.grad_dtype != "auto":
+            parts.append(f"grad-{self.grad_dtype}")
         if self.tp_overlap and self.tp > 1:
             parts.append("tp-overlap")
         if self.fp8 != "none":
             parts.append(f"fp8-{self.fp8}")
-        return " ".join(parts) + (" offload" if self.offload else "")
+        if self.recompute_modules:
+            parts.append("rc-modules-" + "+".join(self.recompute_modules))
+        if self.mtp_layers:
+            parts.append(f"mtp{self.mtp_layers}")
+        if self.attention != "flash":
+            parts.append(f"attn-{self.attention}")
+        text = " ".join(parts) + (" offload" if self.offload else "")
+        return f"{self.replicas} replica groups x [{text}]" if self.replicas > 1 else text
 
 
 def chunk_layers(args: TransformerArgs, lay: Layout) -> list[int]:
@@ -258,6 +344,9 @@ class RankShape:
     moe_layers: int
     embedding: bool
     head: bool
+    mtp: int = 0
+    """Multi-token-prediction layers on this rank (the head rank: ``Layout.mtp_layers``), counted in the
+    block counts above; each adds one more output projection + loss."""
 
     @property
     def layers(self) -> int:
@@ -272,9 +361,12 @@ def rank_shapes(args: TransformerArgs, lay: Layout) -> list[RankShape]:
     for r in range(lay.pp):
         chunks = rank_chunks(lay, r)
         ids = [i for c in chunks for i in range(starts[c], starts[c] + sizes[c])]
+        head = len(sizes) - 1 in chunks
+        mtp = lay.mtp_layers if head else 0  # blocks of the last layer's kind
+        ids += [args.num_layers - 1] * mtp
         moe = sum(args.is_moe_layer(i) for i in ids)
         out.append(RankShape(r, tuple(chunks), tuple(sizes[c] for c in chunks), len(ids) - moe, moe,
-                             0 in chunks, len(sizes) - 1 in chunks))  # fmt: skip
+                             0 in chunks, head, mtp))  # fmt: skip
     return out
 
 
@@ -347,10 +439,11 @@ def rank_params(args: TransformerArgs, lay: Layout, shape: RankShape) -> tuple[f
         dense += ps.embedding(lay.tp)
     if shape.head:
         dense += ps.head(lay.tp, lay.pp)
+    dense += shape.mtp * 2 * args.hidden_size * args.hidden_size / lay.tp  # MTP's 2h -> h projection
     return dense, shape.moe_layers * ps.expert_block(lay.etp, lay.ep)
 
 
 __all__ = [
-    "ENGINES", "Layout", "PRECISION_BYTES", "ParamShape", "RECOMPUTE_MODES", "RankShape", "SCHEDULES",
-    "chunk_layers", "rank_chunks", "rank_params", "rank_shapes",
+    "ENGINES", "GRAD_DTYPES", "Layout", "PRECISION_BYTES", "ParamShape", "RECOMPUTE_MODES", "RECOMPUTE_MODULES",
+    "RankShape", "SCHEDULES", "chunk_layers", "rank_chunks", "rank_params", "rank_shapes",
 ]  # fmt: skip

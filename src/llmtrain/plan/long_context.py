@@ -45,6 +45,8 @@ stream (``copy_(non_blocking)`` / ``.to(non_blocking)``), so the planner counts 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llmtrain.models import TransformerArgs
 from llmtrain.plan.catalog import Device
 from llmtrain.plan.layout import Layout
@@ -148,6 +150,56 @@ def cp_dense_keys(lay: Layout) -> float:
     return float(lay.seq_length)
 
 
+@dataclass(frozen=True)
+class RingAttention:
+    """What torch's ``context_parallel`` (the ring torchtitan runs) adds to one attention layer on one rank,
+    beyond the causal attention FLOPs (which load balancing spreads evenly: ``s^2 / 2cp`` scores per head).
+
+    ``merge_fwd`` / ``merge_bwd``: bytes of the eager fp32 merge and accumulation traffic (memory bound);
+    ``kv_gather``: bytes a rank receives in the K/V all-gather (once forward, once again backward);
+    ``dkv_send``: bytes of one fp32 dK/dV rotation (``cp`` of them backward, each waited one step later);
+    ``steps``: the ring steps (``cp``), each one SDPA call on a chunk pair."""
+
+    merge_fwd: float
+    merge_bwd: float
+    kv_gather: float
+    dkv_send: float
+    steps: int
+
+
+RING_MERGE_BYTES = {"fwd_step": 32.5, "fwd_once": 12.0, "bwd_q_step": 14.5, "bwd_q_once": 20.0,
+                    "bwd_kv_step": 28.0, "bwd_kv_once": 20.0}  # fmt: skip
+"""Bytes per element of the rank's attention output (``q``) or K/V (``kv``) the ring's eager ops move, counted
+from ``torch.distributed.tensor.experimental._context_parallel._attention`` (``convert_to_f32`` and load
+balancing on, its defaults). Forward, per step after the first: the block output cast to fp32 (6), ``out -
+block_out`` (12), the scale by ``sigmoid(block_lse - lse)`` (8), the update (12) = 38 on a whole step, 19 on
+the half of a partial step (``i > rank``: the second query chunk) plus the ``torch.cat`` that rebuilds the
+output (8) and the query chunk's copy (2): 32.5 averaged over the two kinds; once: the first block's fp32
+cast (6) and the final bf16 cast (6). Backward, per step: ``grad_query += grad_query_`` in fp32 (10; partial:
+half of it and the ``cat`` 8, and the copies of the chunked q / out / grad_out: 6), averaged 14.5; the dK / dV
+accumulation, its ``cat`` into the send buffer and the K/V ``cat`` (28); once: the fp32 zero buffers (4), the
+first accumulation (10) and the final casts (6)."""
+
+
+def ring_attention(args: TransformerArgs, lay: Layout) -> RingAttention | None:
+    """The ring's costs for ``lay`` (engine ``torchtitan`` with ``cp > 1``; None otherwise)."""
+    if not (lay.torchtitan and lay.cp > 1):
+        return None
+    b, cp, t = lay.micro_batch_size, lay.cp, lay.tp
+    local = b * lay.seq_length / cp  # tokens of the rank (two load-balanced chunks)
+    q_el = local * args.num_heads * args.head_dim / t
+    kv_el = 2 * local * _kv_width(args) / t
+    m = RING_MERGE_BYTES
+    return RingAttention(
+        merge_fwd=q_el * (m["fwd_once"] + (cp - 1) * m["fwd_step"]),
+        merge_bwd=q_el * (m["bwd_q_once"] + (cp - 1) * m["bwd_q_step"])
+        + kv_el * (m["bwd_kv_once"] + (cp - 1) * m["bwd_kv_step"]),
+        kv_gather=(cp - 1) * kv_el * lay.act_bytes,
+        dkv_send=kv_el * 4,
+        steps=cp,
+    )
+
+
 def loss_chunk(args: TransformerArgs, lay: Layout) -> int:
     """Tokens per loss chunk the trainer uses for this layout (0: the plain loss); engines other than
     ``llmtrain`` keep their own (vocabulary-parallel) loss."""
@@ -180,5 +232,6 @@ def offload_seconds(dev: Device, saved_bytes: float) -> float:
 
 __all__ = [
     "cp_additive_mask_bytes", "cp_bool_mask_bytes", "cp_comm_bytes", "cp_dense_keys", "cp_layer_bytes",
-    "cp_mask_traffic", "logits_bytes", "loss_chunk", "loss_recompute_fraction", "offload_seconds", "trainer_cp",
+    "cp_mask_traffic", "logits_bytes", "loss_chunk", "loss_recompute_fraction", "offload_seconds", "ring_attention",
+    "RingAttention", "RING_MERGE_BYTES", "trainer_cp",
 ]  # fmt: skip

@@ -28,9 +28,13 @@ Engine ``torchtitan`` (FSDP2 with a bf16 ``MixedPrecisionPolicy``, the root too)
 ``reduce_dtype``), optimizer states 8 / D, the gathered blocks and root in bf16, no autocast copies.
 
 Engine ``megatron`` (distributed optimizer): parameters 2 (bf16 weights; / D under ZeRO-3) + 4 / D (fp32
-master; engine ``nemo``: 2 / D, the 16-bit remainders NeMo's distributed Adam stores), gradients 2 (the bf16
-gradient buffer, Megatron-Core's default; 4 under ZeRO-0, fp32 main grads), optimizer states 8 / D, no cast
-copies. ``offload`` (FSDP2 CPUOffloadPolicy) moves the persistent
+master; engine ``nemo``: 2 / D, the 16-bit remainders NeMo's distributed Adam stores), gradients g whole
+(ZeRO 0-1: the gradient buffer) or g / D (ZeRO 2-3: Megatron-FSDP's ``optim_grads``, the Llama 3 paper's FSDP,
+plus one block's unsharded gradient before its reduce-scatter), optimizer states 8 / D, no cast copies. g is
+:attr:`Layout.grad_bytes`: 2 by default (Megatron-Core's ``grad_reduce_in_fp32 = False``, NeMo's
+``grad_sync_dtype: bf16``, Megatron-Bridge's performance recipes; 4 under ZeRO-0, fp32 main grads), 4 with
+``grad_dtype: fp32`` (Megatron-LM's ``--bf16`` default, megatron/training/arguments.py
+``accumulate_allreduce_grads_in_fp32``; DeepSpeed's bf16 optimizer). ``offload`` (FSDP2 CPUOffloadPolicy) moves the persistent
 parameters, gradients and optimizer states to host memory (``host_bytes``).
 
 Activations, bytes per token of one block without recompute (T = micro-batch x seq / cp tokens; a = 2 under
@@ -48,6 +52,10 @@ bf16/fp16, 4 under fp32; h hidden, I the MLP width, q/kv/o the projection widths
               and rstd, each gathered norm output saved once (whole); ``selective`` is its per-op policy
               (:func:`sac_op_bytes`)
 
+Megatron's ``mla_up_proj`` module recompute (``Layout.recompute_modules``, the Megatron-style engines, MLA):
+core attention's q, k, v are not kept (``a (q + 2 kv) / t`` above), the q and kv latents and the rotary key are
+(``a (q_lora_rank + kv_lora_rank + qk_rope_head_dim)``, whole on every TP rank).
+
 (the llmtrain figures were counted tensor by tensor on gloo with saved-tensor hooks and match to the byte:
 ``tests/test_plan.py::test_activation_bytes_match_saved_tensors``). An MoE block replaces the MLP term by
 the router (4 E fp32 scores, 12 k index/weight bytes), its input cast (a h, llmtrain), the dispatched token
@@ -61,7 +69,13 @@ megatron engines).
 ``full`` recompute keeps each block's input (fp32 / a bytes x h / t) plus one block while it is recomputed;
 ``selective`` recomputes one block in ``recompute_every``. In flight on pipeline rank r (M micro-batches):
 gpipe M, 1f1b min(pp - r, M), interleaved / zero-bubble ``min(M v, 2 (pp - r - 1) + (v - 1) pp + 1) / v``
-(Megatron's warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0), zbv min(pp, M).
+(Megatron's warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0), zbv min(pp, M); with
+chunks of unequal size on a rank (an end chunk holding only the embedding or the head) the interleaved
+schedule is played op by op over the chunk sizes (:func:`in_flight_layers`). The residual stream at a stage
+boundary is held once per micro-batch in flight by this trainer and torchtitan (torch pipelining keeps a
+stage's output until its backward); the Megatron-style engines free it once sent (only the head rank's
+final-norm input stays). During the backward, the block in hand also holds its own gradient temporaries
+(:func:`backward_temporary_bytes`: 3 x the MLP width at the activation dtype).
 The head rank adds the logits of one micro-batch (llmtrain: the full vocabulary, gathered; megatron and
 torchtitan: the vocabulary-parallel shard) at the loss's peak bytes per element (llmtrain 12, torchtitan 12 /
 14 under ``loss_parallel``, megatron 10: :func:`~llmtrain.plan.long_context.logits_bytes`); under the chunked
@@ -84,7 +98,19 @@ import math
 from dataclasses import dataclass, field
 
 from llmtrain.models import TransformerArgs
+from llmtrain.plan.activations import (
+    backward_temporary_bytes,
+    block_input_bytes,
+    in_flight,
+    in_flight_layers,
+    layer_activation_bytes,
+    layer_bytes,
+    sac_op_bytes,
+)
 from llmtrain.plan.layout import (
+    ADAM_BYTES,
+    GRAD_BYTES,
+    MASTER_BYTES,
     PRECISION_BYTES,
     RECOMPUTE_MODES,
     SCHEDULES,
@@ -100,8 +126,7 @@ from llmtrain.plan.long_context import (
     cp_layer_bytes,
     logits_bytes,
 )
-
-MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+from llmtrain.plan.replicas import replica_memory_bytes
 
 ALLOCATOR_RESERVE = 0.125
 """What a device's caching allocator reserves beyond the allocated peak, as a fraction of it (block rounding,
@@ -149,117 +174,35 @@ class MemoryEstimate:
         return {**{k: float(getattr(self, k)) for k in keys}, "total": float(self.total)}
 
 
-def _proj_widths(args: TransformerArgs) -> tuple[float, float]:
-    """(q + 2 kv, o): output widths of the attention projections whose results are saved."""
-    heads = args.num_heads
-    if getattr(args, "kv_lora_rank", 0):  # MLA: keys/values expanded per head, widths as in the FLOP count
-        width = args._attention_width()
-        return 3 * heads * width, heads * args.v_head_dim
-    return (heads + 2 * args.num_kv_heads) * args.head_dim, heads * args.head_dim
-
-
-def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
-    """Bytes autograd saves per token in one block without recompute (see the module docstring)."""
-    h, t, a = args.hidden_size, lay.tp, lay.act_bytes
-    qkv, o = _proj_widths(args)
-    n_norms = 4 if getattr(args, "post_norms", False) else 2
-    attention = (a * (qkv + o) + 4 * args.num_heads) / t
-    k, hm, s, e = args.top_k, args.moe_hidden_size, args.shared_experts, args.num_experts
-    if lay.torchtitan:  # norm inputs sharded + rstd, each norm output gathered once (saved whole)
-        norms = n_norms * ((a * h + 4) / t + a * h)
-        if not moe:
-            return norms + attention + 4 * a * args.intermediate_size / t
-        share = lay.dispatch_share
-        experts = 2 * a * k * h * share + 4 * a * k * hm * lay.expert_rows_share / lay.etp + a * k * h * share
-        ffn = 4 * e + 12 * k + experts + (4 * a * s * hm / t if s else 0.0)
-        return norms + attention + ffn
-    if lay.bf16_weights:
-        norms = n_norms * (2 * a * h + 4) / t
-        if not moe:
-            return norms + attention + 3 * a * args.intermediate_size / t
-        ffn = (4 * e + 12 * k + a * k * (2 * h + 3 * hm) + 3 * a * s * hm) / t
-        return norms + attention + ffn
-    norms = n_norms * (8 * h + 4) / t
-    # The gathered norm output, cast once in the block under autocast (models/common/transformer.py): one copy
-    # for wq/wk/wv (or MLA's projections), one for the MLP's w1/w3; the MoE casts its fp32 input per consumer.
-    casts = 2 if lay.precision != "fp32" else 1  # copies of the MoE's input for the shared experts' w1, w3
-    gathered_attn = a * h
-    if lay.precision != "fp32":  # RoPE casts cos / sin to bf16 for q and for k in every block
-        gathered_attn += 2 * args.rotary_dim * a
-    if not moe:
-        return norms + gathered_attn + a * h + attention + 4 * a * args.intermediate_size / t
-    router = a * h + 4 * e + 12 * k  # the gate's input cast, fp32 scores, top-k indices and weights
-    # the dispatched copies and the experts' output: the rows this rank dispatches (Layout.dispatch_share);
-    # the experts' hidden states: the rows its experts receive, at width H / etp (= 4 a k H / t either way)
-    share = lay.dispatch_share
-    experts = 2 * a * k * h * share + 4 * a * k * hm * lay.expert_rows_share / lay.etp + a * k * h * share
-    shared = (casts * a * h + 4 * a * s * hm / t) if s else 0.0
-    return norms + gathered_attn + attention + router + experts + shared
-
-
-def sac_op_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
-    """Bytes per token torchtitan's per-op selective recompute keeps of one block (``selective_ac_option: op``):
-    the block's input, the outputs of every second matmul (wq, wv, w1, w2 of a dense block: 1st, 3rd, 5th,
-    7th; w2's is the whole partial sum before its reduce-scatter under TP), attention's output and logsumexp,
-    and under TP the two reduce-scatter outputs. An MoE block keeps its routed rows' expert inputs instead
-    of w1 / w2 (the dispatch is recomputed)."""
-    h, t, a = args.hidden_size, lay.tp, lay.act_bytes
-    qkv, o = _proj_widths(args)
-    if getattr(args, "kv_lora_rank", 0):  # MLA: the query and value widths of its FLOP count
-        saved_proj = 2 * qkv / 3
-    else:  # wq and wv
-        saved_proj = (args.num_heads + args.num_kv_heads) * args.head_dim
-    out = a * h / t + a * saved_proj / t + a * o / t + 4 * args.num_heads / t
-    out += 2 * a * h / t if t > 1 else 0.0
-    if moe:
-        return out + a * args.top_k * h * lay.dispatch_share + a * h
-    return out + a * args.intermediate_size / t + a * h
-
-
-def block_input_bytes(lay: Layout, hidden: int) -> float:
-    """Bytes per token of a block's input (the residual stream, sequence-sharded): what full recompute keeps."""
-    return (lay.act_bytes if lay.bf16_weights else MASTER_BYTES) * hidden / lay.tp
-
-
-def layer_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
-    """Bytes one block saves for one micro-batch: the per-token count x its ``micro-batch x seq / cp`` tokens,
-    plus context parallel's gathered K/V (and ALiBi bias: :func:`~llmtrain.plan.long_context.cp_layer_bytes`);
-    the additive mask all layers share is a per-micro-batch term (``cp_additive_mask`` of :func:`estimate_memory`)."""
-    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
-    return tokens * layer_activation_bytes(args, lay, moe) + sum(cp_layer_bytes(args, lay).values())
-
-
-def in_flight(lay: Layout, rank: int) -> float:
-    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak (whole-rank units)."""
-    m, p = lay.grad_accum, lay.pp
-    if p == 1:
-        return 1.0
-    if lay.schedule == "gpipe":
-        return float(m)
-    if lay.schedule == "1f1b":
-        return float(max(1, min(p - rank, m)))
-    if lay.schedule == "zbv":
-        return float(min(p, m))
-    v = lay.chunks_per_rank
-    return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
-
-
 def concurrency_overlap(
-    lay: Layout, saved: float, transient: float, logits: float, grads: float, block_grad: float = 0.0
+    lay: Layout,
+    saved: float,
+    transient: float,
+    logits: float,
+    grads: float,
+    block_grad: float = 0.0,
+    bwd_temp: float = 0.0,
+    grads_pending: float = 0.0,
+    after_backward: float = 0.0,
 ) -> float:
     """Bytes the itemised sum counts twice for phases that never meet: the loss's logits peak at the end of
-    the forward and the start of the backward; a recomputed block's activations and one block's unsharded
-    gradient before its reduce-scatter (``block_grad``) exist during the backward only; and gradients that are
+    the forward and the start of the backward; a recomputed block's activations, one block's unsharded
+    gradient before its reduce-scatter (``block_grad``) and the block's own gradient temporaries
+    (``bwd_temp``, :func:`backward_temporary_bytes`) exist during the backward only; and gradients that are
     freed every step (``zero_grad(set_to_none=True)``: every engine but the Megatron-style ones, whose gradient
     buffer is persistent, and every layout without accumulation) grow during the backward while the saved
-    activations are released. With ``b = recomputed + block_grad``, the peak of these is ``max(saved + logits,
-    saved + b, b + gradients)`` (at layer ``i`` of the backward: the saved activations below ``i``, the
-    gradients above it and the block in hand); measured on CPU with torch's MemTracker, one process and two
-    gloo ranks (``tests/test_plan.py::test_step_peak_matches_the_planner``)."""
+    activations are released. With ``b = recomputed + block_grad + bwd_temp``, the peak of these is
+    ``max(saved + logits, saved + b, b + gradients - grads_pending)`` (at layer ``i`` of the backward: the
+    saved activations below ``i``, the gradients above it and the block in hand, whose own gradients and the
+    embedding's, ``grads_pending``, come later), and after the backward ``gradients + after_backward`` (replica
+    groups' flat all-reduce buffer, which meets the gradients but no activation); measured on CPU with torch's
+    MemTracker, one process and two gloo ranks (``tests/test_plan.py::test_step_peak_matches_the_planner``)."""
     live_grads = 0.0 if (lay.megatron_engine or lay.grad_accum > 1) else grads
-    backward = transient + block_grad
-    summed = saved + backward + logits + live_grads
-    return summed - max(saved + logits, saved + backward, backward + live_grads)
+    backward = transient + block_grad + bwd_temp
+    summed = saved + backward + logits + live_grads + after_backward
+    pending = min(grads_pending, live_grads)
+    phases = (saved + logits, saved + backward, backward + live_grads - pending, live_grads + after_backward)
+    return summed - max(phases)
 
 
 def estimate_memory(args: TransformerArgs, layout: Layout, capacity: float = math.inf) -> MemoryEstimate:
@@ -288,7 +231,13 @@ def _state_bytes(
         weights = (whole / d if lay.zero_stage == 3 else whole) * a
         master = 2 if lay.engine == "nemo" and lay.zero_stage > 0 else MASTER_BYTES  # NeMo: 16-bit remainders
         out["parameters"] = weights + master * sharded
-        out["gradients"] = {0: GRAD_BYTES * whole, 3: a * sharded}.get(lay.zero_stage, a * whole)
+        g = lay.grad_bytes  # the gradient buffer's dtype (Layout.grad_dtype)
+        # ZeRO 0-1: the whole buffer (the distributed optimizer reduce-scatters it once per step); ZeRO 2-3:
+        # sharded (Megatron-FSDP optim_grads / optim_grads_params, the Llama 3 paper's FSDP: each micro-batch's
+        # block gradient reduce-scattered into the shard, whole only for the block in hand)
+        out["gradients"] = g * (sharded if lay.zero_stage >= 2 else whole)
+        if lay.zero_stage >= 2 and d > 1:
+            out["unsharded_gradients"] = g * block
         if lay.zero_stage == 3:
             out["gathered_parameters"] = a * (2 * block + root)
         return out
@@ -341,9 +290,12 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         # The embedding's gradient under TP (RowwiseParallel over the vocabulary) comes back Replicate: the
         # whole vocab x h table on every TP rank; without FSDP nothing reshards it (measured on gloo).
         grads += GRAD_BYTES * args.vocab_size * args.hidden_size * (1 - 1 / lay.tp)
-    host = 0.0
+    # replica groups: the flat fp32 buffer of the cross-group all-reduce after the backward (device), and the
+    # live heal's host copy of the rank's parameters and optimizer state (plan/replicas.py)
+    replica = replica_memory_bytes(lay, dense, expert, state_bytes=params + states)
+    host = replica["host"]
     if lay.offload:
-        host, params, grads, states = params + grads + states, 0.0, 0.0, 0.0
+        host, params, grads, states = host + params + grads + states, 0.0, 0.0, 0.0
 
     tokens = lay.micro_batch_size * lay.seq_length / lay.cp
     dense_layer, moe_layer = layer_bytes(args, lay, moe=False), layer_bytes(args, lay, moe=True)
@@ -351,6 +303,8 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
     full_set = shape.dense_layers * dense_layer + shape.moe_layers * moe_layer
     biggest = moe_layer if shape.moe_layers else dense_layer
     n_flight = in_flight(lay, shape.rank)
+    if shape.layers:  # the schedule played with this rank's chunk sizes (an empty chunk holds nothing)
+        n_flight = in_flight_layers(lay, shape.rank, shape.chunk_sizes) / shape.layers
     offloaded = 0.0
     if lay.recompute == "offload":  # saved tensors on the host; one block's worth on the device at a time
         stored, transient, offloaded = 0.0, biggest, full_set * n_flight
@@ -367,7 +321,15 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         stored, transient = frac * shape.layers * boundary + (1 - frac) * full_set, biggest
     else:
         stored, transient = full_set, 0.0
-    saved = stored * n_flight + boundary * n_flight
+    # the residual stream at each stage boundary: this trainer's torch pipelining keeps a stage's output until
+    # its backward (one per micro-batch in flight; without PP the final norm's input); Megatron-style stacks
+    # free it once sent (Megatron's deallocate_pipeline_outputs; Meta's "proactively deallocate ... the input
+    # and output tensors of each pipeline stage", Llama 3 paper sec. 3.3.2), the stage input being the first
+    # layer's saved norm input, counted in its layer: only the head rank's final-norm input stays, for one.
+    held = n_flight
+    if lay.megatron_engine and lay.pp > 1:
+        held = 1.0 if shape.head else 0.0
+    saved = stored * n_flight + boundary * held
     activations = saved + transient
 
     dispatch = 0.0
@@ -387,8 +349,18 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         "cp_mask": cp_bool_mask_bytes(args, lay),
         "cp_additive_mask": cp_additive_mask_bytes(args, lay) * n_flight,  # one per micro-batch in flight
     }
+    bwd_temp = 0.0
+    if shape.layers:
+        temps = [backward_temporary_bytes(args, lay, moe) for moe, n in
+                 ((False, shape.dense_layers), (True, shape.moe_layers)) if n]  # fmt: skip
+        bwd_temp = tokens * max(temps)
+    details["backward_temporaries"] = bwd_temp
+    details["replica_all_reduce_buffer"] = replica["device"]
     cp_terms = cp_layer_bytes(args, lay)
-    overlap = concurrency_overlap(lay, saved, transient, logits, grads, st["unsharded_gradients"])
+    # gradients not yet produced while the first block's backward peaks: its own and the embedding's
+    pending = grads * min(1.0, (block + embed) / (dense + expert)) if shape.layers and dense + expert else 0.0
+    overlap = concurrency_overlap(lay, saved, transient, logits, grads, st["unsharded_gradients"], bwd_temp,
+                                  pending, replica["device"])  # fmt: skip
     return MemoryEstimate(
         parameters=params,
         gradients=grads,
@@ -414,6 +386,6 @@ def min_state_bytes_per_device(args: TransformerArgs, world_size: int) -> float:
 
 __all__ = [
     "ALLOCATOR_RESERVE", "PRECISION_BYTES", "RECOMPUTE_MODES", "SCHEDULES", "Layout", "MemoryEstimate",
-    "concurrency_overlap", "estimate_memory", "in_flight", "layer_activation_bytes", "layer_bytes",
-    "min_state_bytes_per_device", "sac_op_bytes",
+    "backward_temporary_bytes", "concurrency_overlap", "estimate_memory", "in_flight", "in_flight_layers",
+    "layer_activation_bytes", "layer_bytes", "min_state_bytes_per_device", "sac_op_bytes",
 ]  # fmt: skip

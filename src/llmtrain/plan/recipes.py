@@ -17,7 +17,8 @@ from llmtrain.plan.layout import Layout
 
 ENGINE_SUMMARY = {
     "llmtrain": "this trainer as it runs: fp32 weights under autocast, FSDP2, torch TP / pipelining",
-    "megatron": "Megatron-style: bf16 weights and gradient buffer, fused kernels, SP inputs saved sharded",
+    "megatron": "Megatron-style: bf16 weights, a 16-bit gradient buffer (--grad-dtype fp32 for Megatron-LM --bf16), "
+    "fused kernels, SP inputs saved sharded",
     "nemo": "NeMo: the megatron engine with NeMo's distributed Adam (16-bit master remainders)",
     "torchtitan": "torchtitan: FSDP2 with a bf16 mixed-precision policy, loss parallel, per-op selective recompute",
 }
@@ -48,8 +49,10 @@ class Recipe:
 
 
 RECIPES = (
-    Recipe("DGXC DeepSeek-V3 on 1,024 H100", "NVIDIA dgxc-benchmarking deepseek_v3/pretrain (Megatron-Bridge)",
+    Recipe("DGXC DeepSeek-V3 on 1,024 H100", "NVIDIA dgxc-benchmarking deepseek_v3/pretraining (NeMo 25.04.01)",
            "megatron", "deepseek_v3", 671.03, tp=2, pp=16, ep=64),
+    Recipe("DGXC DeepSeek-V3 on 512 H100", "NVIDIA dgxc-benchmarking deepseek_v3/pretraining (NeMo 25.04.01)",
+           "megatron", "deepseek_v3", 671.03, tp=2, pp=8, ep=64),
     Recipe("DeepSeek-V3 on 2,048 H800", "DeepSeek-V3 technical report (DualPipe)", "megatron", "deepseek_v3",
            671.03, tp=1, pp=16, ep=64),
     Recipe("MindFormers DeepSeek-V3", "mindformers research/deepseek3 pretrain_deepseek3_671b.yaml", "megatron",

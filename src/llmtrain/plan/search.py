@@ -90,10 +90,21 @@ def layout_from_config(
     vocab_size: int | None = None,
     engine: str = "llmtrain",
     tp_overlap: bool = False,
+    recompute_modules: tuple[str, ...] = (),
+    mtp_layers: int = 0,
+    attention: str = "flash",
+    grad_dtype: str = "auto",
 ) -> tuple[Layout, TransformerArgs, int]:
     """(layout, model args, tokens per step) of the run config on ``world_size`` devices; ConfigError for a
     feasibility ``split`` rule (the model does not divide over the degrees, see the module docstring).
-    ``engine`` / ``tp_overlap``: how the layout is executed (:class:`~llmtrain.plan.layout.Layout`)."""
+    ``engine`` / ``tp_overlap`` / ``recompute_modules`` / ``mtp_layers`` / ``attention`` / ``grad_dtype``: how
+    the layout is executed and what else the publishing engine trains (:class:`~llmtrain.plan.layout.Layout`)."""
+    replicas = cfg.fault_tolerance.replicas if cfg.fault_tolerance.enabled else 1
+    if replicas > 1:  # one group's layout on world / R ranks, its slice batch / R of the global batch
+        from llmtrain.ft.layout import group_world
+
+        world_size = group_world(cfg, world_size)
+        cfg = replace(cfg, train=replace(cfg.train, batch_size=cfg.train.batch_size // replicas))
     d = derive(cfg, world_size, vocab_size=vocab_size)
     dims, p = d.dims, cfg.parallel
     assert dims is not None
@@ -106,10 +117,12 @@ def layout_from_config(
         recompute=recompute, recompute_every=max(cfg.recompute.every, 1), offload=offload,
         precision=cfg.train.precision, reduce_grads=p.reduce_grads, engine=engine, tp_overlap=tp_overlap,
         fp8=cfg.train.fp8, loss_chunk_tokens=cfg.train.loss_chunk_tokens, document_mask=cfg.model.document_mask,
+        recompute_modules=tuple(recompute_modules), mtp_layers=mtp_layers, replicas=replicas, attention=attention,
+        grad_dtype=grad_dtype, replica_policy=cfg.fault_tolerance.batch_policy,
     )  # fmt: skip
     split = [pr for pr in layout_problems(cfg, world_size, d.model_args) if RULES[pr.rule].kind == "split"]
     raise_fatal(split)
-    return layout, d.model_args, d.tokens_per_step
+    return layout, d.model_args, d.tokens_per_step * replicas
 
 
 def layout_config(lay: Layout, global_batch: int, compile: bool = False) -> Config:
@@ -181,7 +194,7 @@ def candidate_layouts(
 ) -> list[Layout]:
     """Every layout the search considers that training would run (see the module docstring); ``compile``:
     the run's ``train.compile`` (a rule input: compile with zero-bubble schedules is refused)."""
-    n = cluster.num_devices
+    n = cluster.num_devices // base.replicas  # one replica group's ranks (the degrees are a group's)
     tps = [t for t in _divisors(cluster.devices_per_node) if t <= n]
     pps = [p for p in _divisors(args.num_layers) if p <= 64]
     cps = [2**i for i in range(n.bit_length()) if n % 2**i == 0 and base.seq_length % 2 ** (i + 1) == 0]
@@ -232,7 +245,7 @@ def search(
 ) -> tuple[list[PlanResult], int, int]:  # fmt: skip
     """(best ``top`` fitting layouts by tokens/s per device, candidates tried, candidates that fit).
     ``fused``: the run compiles (``train.compile``; fused kernels in the time model)."""
-    global_batch = tokens_per_step // base.seq_length
+    global_batch = tokens_per_step // base.seq_length // base.replicas  # one group's slice
     candidates = candidate_layouts(args, base, cluster, global_batch, compile=fused)
     capacity = cluster.device.usable_bytes
     # memory first, the cheap half: only the layouts that fit are timed (the ranking is over those alone)

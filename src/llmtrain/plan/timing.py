@@ -7,7 +7,9 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
 * **GEMMs** at the shape-dependent efficiency of :mod:`~llmtrain.plan.gemm` (dense blocks, MoE blocks with
   their experts at the *active* count ``top_k``, the output projection on the head rank). **Attention**:
   causal FLOPs as executed (7 passes of ``2 T keys width`` per head: flash attention's backward recomputes
-  ``Q K^T``), keys = seq / 2 on average (a sliding window: its mean), /tp /cp, at ``e x attention_ratio``.
+  ``Q K^T``), keys = seq / 2 on average (a sliding window: its mean), /tp /cp, at the device's published
+  flash-attention rate (``Device.attention_tflops``, FlashAttention-2's), else (no published rate, or the unfused
+  attention of ``Layout.attention`` ``unfused``) at ``e x attention_ratio`` (:func:`_attention_time`).
   **Element-wise** kernels (norms, RoPE, activations, residuals, casts, MoE permutes) as memory traffic
   ``a (c_h h + c_i I) / t`` per token per layer, eager or fused constants. Fused = ``train.compile`` (graph
   mode); engine ``llmtrain`` runs eager under TP (the trainer skips compile with TP, feasibility warning
@@ -35,7 +37,16 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
   mask's kernel computes all ``seq`` keys of each local query (no causal block skipping) and the mask's
   traffic (each layer reads the shared additive mask forward and backward, built once per micro-batch) is
   element-wise work. Engines ``megatron`` / ``nemo``: ring attention, (cp - 1) K/V exchanges
-  per layer forward, twice backward, hidden behind the attention compute of the same ring step.
+  per layer forward, twice backward, hidden behind the attention compute of the same ring step. Engine
+  ``torchtitan``: torch's ``context_parallel`` (:func:`~llmtrain.plan.long_context.ring_attention`): the eager
+  fp32 merges and accumulations as memory traffic, the K/V all-gather hidden behind step 0's SDPA, the dK / dV
+  rotations each behind one step's backward, the last one exposed.
+* **Module recompute** (``Layout.recompute_modules``, Megatron's ``recompute_modules``): the forward of each
+  named module again (:func:`_module_recompute`). **MTP** (``Layout.mtp_layers``): the last stage's extra blocks
+  (in its block counts), their ``2h -> h`` projections and one more output head + loss each.
+* **Replica groups** (``Layout.replicas``, :mod:`~llmtrain.plan.replicas`): the cross-group all-reduce of the
+  gradient shards; the FSDP-hooked part joins the data-parallel reduction (same overlap rule), the explicit
+  part after the backward is exposed.
 * **FP8** (``train.fp8``): the blocks' linear GEMMs at the device's FP8 peak (:mod:`~llmtrain.plan.gemm`).
 * **Chunked loss**: one more forward of the output projection (the chunks' logits are recomputed in backward).
 * **Activation offload** (``recompute: offload``): every saved activation crosses the host link out and back
@@ -44,14 +55,20 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
   pace: step = M max_r t_r + bubble, bubble = f x the sum over the other ranks of their chunk time
   ``t_r / v`` (= (pp - 1) / v slots of an even split), f = 1 for gpipe / 1f1b / interleaved and 1/3 for the
   zero-bubble schedules; an uneven ``pipeline_layers`` split shows up in ``max_r t_r``. Point-to-point
-  sends on the fill and drain path.
-* **DP / ZeRO**: the traffic of :func:`_dp_traffic` (gradient reduction once per optimizer step in
+  sends on the fill and drain path, and with the non-interleaved ``1f1b`` schedule two exposed exchanges per
+  micro-batch in the steady state (Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``
+  are waited before the next compute, as torch pipelining's 1F1B waits on each receive); the interleaved
+  schedules overlap them with the other chunks' compute (Megatron's ``overlap_p2p_comm``).
+* **DP / ZeRO**: the traffic of :func:`~llmtrain.plan.comm.dp_traffic` (gradient reduction once per optimizer step in
   ``per_step`` mode, this trainer's default since the gradient-sync switch, ``distributed/grad_sync.py``;
   per micro-batch for ZeRO-3's reduce-scatter under ``auto``, or with ``reduce_grads: per_microbatch``),
   hidden behind ``dp_overlap`` of the compute it overlaps with: a once-per-step gather behind the first
   forward, a once-per-step reduction behind the last backward, per-micro-batch traffic behind its own
   micro-batch; the last block's reduction is exposed. Engine ``llmtrain`` gathers fp32 parameters and
-  reduces fp32 gradients (FSDP2 without a mixed-precision policy), ``megatron`` bf16 ones (ZeRO-0: fp32).
+  reduces fp32 gradients (FSDP2 without a mixed-precision policy), ``megatron`` bf16 parameters and gradients
+  in its buffer's dtype (``Layout.grad_bytes``: 16-bit, fp32 under ZeRO-0 or with ``grad_dtype: fp32``, as
+  Megatron-LM's ``grad_reduce_in_fp32``); its ZeRO 2-3 reduce-scatter every micro-batch (``Layout.grad_sync``:
+  the sharded buffer, Megatron-FSDP's ``optim_grads``), ZeRO 2 gathering its whole weights once per step.
 * **Optimizer**: memory bound, read p, g, m, v and write p, m, v of the rank's shard.
 
 A collective over ``g`` ranks moves ``(g - 1) / g`` of the buffer per rank (ring), twice for an all-reduce, at
@@ -65,41 +82,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmtrain.models import TransformerArgs
-from llmtrain.plan.catalog import Cluster
-from llmtrain.plan.gemm import GemmModel, block_gemm_time, head_gemm_time
-from llmtrain.plan.layout import Layout, RankShape, rank_params, rank_shapes
+from llmtrain.plan.activations import layer_bytes
+from llmtrain.plan.calibration import Efficiency
+from llmtrain.plan.catalog import Cluster, Device
+from llmtrain.plan.comm import all_to_all, collective, dp_traffic, group_bandwidth, replica_traffic
+from llmtrain.plan.gemm import block_gemm_time, gemm_time, head_gemm_time, module_forward_gemm_time
+from llmtrain.plan.layout import MASTER_BYTES, Layout, RankShape, rank_params, rank_shapes
 from llmtrain.plan.long_context import (
     cp_comm_bytes,
     cp_dense_keys,
     cp_mask_traffic,
     loss_recompute_fraction,
     offload_seconds,
+    ring_attention,
     trainer_cp,
 )
-from llmtrain.plan.memory import MASTER_BYTES, layer_bytes
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """The global calibration of the cost model (one set for every device and every run)."""
-
-    attention_ratio: float = 0.5
-    """Flash attention (forward + backward) runs at this fraction of the GEMM ceiling."""
-    link_efficiency: float = 0.8
-    """Collectives reach this fraction of the nominal link bandwidth (NCCL/HCCL bus bandwidth)."""
-    dp_overlap: float = 0.9
-    """Fraction of the overlappable compute window that hides data-parallel traffic."""
-    tp_overlap_fraction: float = 0.8
-    """With ``tp_overlap``: the fraction of a block's GEMM time that hides its TP collectives."""
-    eager_elementwise: tuple[float, float] = (90.0, 13.0)
-    """(c_h, c_i): element-wise traffic per token per layer, forward + backward, unfused eager kernels."""
-    fused_elementwise: tuple[float, float] = (14.0, 5.0)
-    """(c_h, c_i) with fused kernels (torch.compile, Transformer Engine, MindSpore graph mode)."""
-    moe_permute: float = 6.0
-    """Element-wise passes over the ``top_k x h`` routed copies of a token (gather, scale, scatter-add)."""
-    latency_s: float = 20e-6
-    """Fixed cost of one collective or send."""
-    gemm: GemmModel = field(default_factory=GemmModel)
 
 
 @dataclass
@@ -129,40 +126,6 @@ class StepTime:
                 + self.cp_exposed + self.optimizer + self.offload)  # fmt: skip
 
 
-def group_bandwidth(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> float:
-    """Bytes/s per rank of a ring collective over ``size`` ranks spaced ``stride`` apart in rank order.
-
-    Inside one node: the intra-node link. Across nodes, a ring with ``k`` members in each node crosses each node
-    boundary once per channel, and NCCL spreads its channels over the NICs; the other groups of the same
-    layout run concurrently on the node's other NICs, so each group gets ``k`` NICs: ``min(intra, k x inter)``
-    (a pure data-parallel ring with all 8 GPUs of a node: 8 NICs; one GPU per node, e.g. DP under TP8: 1).
-    """
-    dev = cluster.device
-    if size * stride <= cluster.devices_per_node:
-        return dev.intra_node_bw_gbs * 1e9 * eff.link_efficiency
-    per_node = max(1, min(size, cluster.devices_per_node // max(stride, 1)))
-    return min(dev.intra_node_bw_gbs, per_node * dev.inter_node_bw_gbs) * 1e9 * eff.link_efficiency
-
-
-def _collective(nbytes: float, size: int, bw: float, eff: Efficiency, kind: str = "ag") -> float:
-    """Ring time of an all-gather / reduce-scatter ("ag"/"rs") or all-reduce ("ar") of ``nbytes``."""
-    if size <= 1 or nbytes <= 0:
-        return 0.0
-    factor = 2.0 if kind == "ar" else 1.0
-    return factor * (size - 1) / size * nbytes / bw + eff.latency_s
-
-
-def _all_to_all(nbytes: float, size: int, stride: int, cluster: Cluster, eff: Efficiency) -> float:
-    """One all-to-all of ``nbytes`` per rank over ``size`` ranks ``stride`` apart (intra / inter in parallel)."""
-    if size <= 1 or nbytes <= 0:
-        return 0.0
-    dev = cluster.device
-    inside = min(size, max(1, cluster.devices_per_node // stride))
-    intra = (inside - 1) / size * nbytes / (dev.intra_node_bw_gbs * 1e9 * eff.link_efficiency)
-    inter = (size - inside) / size * nbytes / (dev.inter_node_bw_gbs * 1e9 * eff.link_efficiency)
-    return max(intra, inter) + eff.latency_s
-
-
 @dataclass
 class _RankTime:
     """One pipeline rank's micro-batch: compute, exposed TP / EP / CP and its GEMM time."""
@@ -190,13 +153,25 @@ def _mean_keys(args: TransformerArgs, seq: int) -> float:
     return sum(keys) / max(len(keys), 1)
 
 
+def _attention_time(
+    args: TransformerArgs, lay: Layout, dev: Device, tokens: float, keys: float, width: float, eff: Efficiency
+) -> float:
+    """Seconds of one layer's attention core (forward + backward) on one rank for ``tokens`` queries: the causal
+    FLOPs as executed (7 passes of ``2 T keys width`` per head, /tp) at the device's published flash-attention
+    rate (``Device.attention_tflops``, FlashAttention-2's forward + backward figure) when the run uses flash
+    attention and the catalog has one; else (a device without a published rate, or ``Layout.attention``
+    ``unfused``: Megatron-LM before flash attention) at ``attention_ratio`` of the GEMM ceiling."""
+    flops = 14 * keys * tokens * args.num_heads * width / lay.tp
+    rate = dev.attention_flops if lay.attention == "flash" else 0.0
+    return flops / (rate or dev.peak_flops * dev.matmul_efficiency * eff.attention_ratio)
+
+
 def _rank_time(
     args: TransformerArgs, lay: Layout, cluster: Cluster, shape: RankShape, fused: bool, eff: Efficiency
 ) -> _RankTime:
     dev, t, cp, a = cluster.device, lay.tp, lay.cp, lay.act_bytes
     h, v = args.hidden_size, args.vocab_size
     tokens = lay.micro_batch_size * lay.seq_length / cp
-    ceiling = dev.peak_flops * dev.matmul_efficiency
     rc = {"selective": 1.0 / max(lay.recompute_every, 1), "full": 1.0}.get(lay.recompute, 0.0)
     mega = lay.bf16_weights
 
@@ -205,8 +180,7 @@ def _rank_time(
     gemm_layers = shape.dense_layers * dense_s + shape.moe_layers * moe_s
     width = args._attention_width() if hasattr(args, "_attention_width") else args.head_dim
     keys = cp_dense_keys(lay) if trainer_cp(lay) else _mean_keys(args, lay.seq_length)
-    attn_flops = 14 * keys * tokens * args.num_heads * width / t
-    attn_layer = attn_flops / (ceiling * eff.attention_ratio)
+    attn_layer = _attention_time(args, lay, dev, tokens, keys, width, eff)
     mask_layer, mask_once = cp_mask_traffic(args, lay)  # read by each layer; built once per micro-batch
     attn_layer += mask_layer / (dev.memory_bw_gbs * 1e9)
     c_h, c_i = eff.fused_elementwise if fused else eff.eager_elementwise
@@ -216,11 +190,19 @@ def _rank_time(
     elem = (shape.dense_layers * dense_bytes + shape.moe_layers * moe_bytes) / (dev.memory_bw_gbs * 1e9)
     compute = (gemm_layers + shape.layers * attn_layer + elem) * (1 + rc / 3)
     compute += mask_once / (dev.memory_bw_gbs * 1e9)
+    compute += _module_recompute(args, lay, cluster, shape, tokens, attn_layer, eff)
     if shape.head:
-        compute += (1 + loss_recompute_fraction(args, lay)) * head_gemm_time(args, lay, dev, tokens, eff.gemm)
+        heads = 1 + shape.mtp  # each MTP layer has its own output projection and loss
         compute += (
+            heads
+            * (1 + loss_recompute_fraction(args, lay))
+            * head_gemm_time(args, lay, dev, tokens, eff.gemm)
+        )
+        compute += heads * (
             tokens * v / (1 if mega else t) * (a + 12) / (dev.memory_bw_gbs * 1e9)
         )  # logits, softmax, grad
+        # MTP's 2h -> h projection of [norm(h_i); norm(emb(t_i+k))] (three GEMMs)
+        compute += shape.mtp * 3 * gemm_time(dev, tokens, h / t, 2 * h, a, eff.gemm)
     if not mega and lay.precision != "fp32" and lay.pp == 1:  # autocast's weight casts, every micro-batch
         dense, expert = rank_params(args, lay, shape)
         compute += (1 + rc) * 6 * (dense + expert) / (dev.memory_bw_gbs * 1e9)
@@ -231,14 +213,14 @@ def _rank_time(
         bw = group_bandwidth(cluster, t, 1, eff)
         msg = tokens * h
         if lay.megatron_engine:  # bf16; backward gathers the two saved inputs again
-            one = _collective(msg * a, t, bw, eff)
+            one = collective(msg * a, t, bw, eff)
             fwd, bwd = (4 + 4 * rc) * one, 6 * one
         elif mega:  # torchtitan: bf16, the gathered inputs are saved (nothing gathered again in backward)
-            one = _collective(msg * a, t, bw, eff)
+            one = collective(msg * a, t, bw, eff)
             fwd, bwd = (4 + 4 * rc) * one, 4 * one
         else:  # the norm outputs are gathered in fp32 (and their gradients reduce-scattered in fp32)
             gathered = MASTER_BYTES if lay.precision != "fp32" else a
-            pair = _collective(msg * gathered, t, bw, eff) + _collective(msg * a, t, bw, eff)
+            pair = collective(msg * gathered, t, bw, eff) + collective(msg * a, t, bw, eff)
             fwd, bwd = (2 + 2 * rc) * pair, 2 * pair
         f = eff.tp_overlap_fraction
         for n_layers, gemm_s in ((shape.dense_layers, dense_s), (shape.moe_layers, moe_s)):
@@ -250,7 +232,7 @@ def _rank_time(
             )
             tp += n_layers * (fwd_exposed + bwd_exposed)
         if shape.head and not mega:
-            tp += _collective(tokens * v * a, t, bw, eff)  # the logits gathered over the vocabulary
+            tp += collective(tokens * v * a, t, bw, eff)  # the logits gathered over the vocabulary
 
     # expert parallel all-to-all, exposed
     ep = 0.0
@@ -258,10 +240,11 @@ def _rank_time(
         rows = tokens * lay.dispatch_share * k * h  # the rows this rank dispatches (plan/layout.py)
         dispatch = rows * (MASTER_BYTES if not mega and lay.precision != "fp32" else a)
         # the ep group of the expert mesh (pp, edp, ep, etp) over the stage's ranks: peers etp apart
-        one_way = _all_to_all(dispatch, lay.ep, lay.etp, cluster, eff) + _all_to_all(
+        one_way = all_to_all(dispatch, lay.ep, lay.etp, cluster, eff) + all_to_all(
             rows * a, lay.ep, lay.etp, cluster, eff
         )
-        ep = shape.moe_layers * one_way * (2 + rc)
+        again = 1 if "moe" in lay.recompute_modules else 0  # the recomputed MoE layer dispatches again
+        ep = shape.moe_layers * one_way * (2 + max(rc, again))
 
     # context parallel: the trainer all-gathers K/V (exposed); a ring hides its exchange behind attention
     cp_t = 0.0
@@ -270,11 +253,21 @@ def _rank_time(
         fwd_b, bwd_b = cp_comm_bytes(args, lay)  # bytes received, K and V together: two collectives each way
         one_way = 2 * eff.latency_s
         cp_t = shape.layers * ((1 + rc) * (fwd_b / cp_bw + one_way) + bwd_b / cp_bw + one_way)
+    elif (ring := ring_attention(args, lay)) is not None:  # torch's context_parallel (torchtitan)
+        cp_bw = group_bandwidth(cluster, cp, t, eff)
+        fwd_attn, bwd_attn = 2 / 7 * attn_layer, 5 / 7 * attn_layer  # the 7 passes: 2 forward, 5 backward
+        gather = ring.kv_gather / cp_bw + eff.latency_s  # waited at step 1: hidden behind step 0's SDPA
+        send = ring.dkv_send / cp_bw + eff.latency_s  # each waited one step later; the last one exposed
+        fwd_exposed = max(0.0, gather - fwd_attn / cp)
+        bwd_exposed = max(0.0, gather - bwd_attn / cp) + (cp - 1) * max(0.0, send - bwd_attn / cp) + send
+        cp_t = shape.layers * ((1 + rc) * fwd_exposed + bwd_exposed)
+        merge = ((1 + rc) * ring.merge_fwd + ring.merge_bwd) / (dev.memory_bw_gbs * 1e9)
+        compute += shape.layers * merge
     elif cp > 1:
         cp_bw = group_bandwidth(cluster, cp, t, eff)
         kv_msg = tokens * 2 * args.num_kv_heads * args.head_dim / t * a
-        ring = 3 * (cp - 1) * (kv_msg / cp_bw + eff.latency_s)  # forward once, backward twice (kv + dkv)
-        cp_t = shape.layers * max(0.0, ring - attn_layer)
+        exchanges = 3 * (cp - 1) * (kv_msg / cp_bw + eff.latency_s)  # forward once, backward twice (kv, dkv)
+        cp_t = shape.layers * max(0.0, exchanges - attn_layer)
     offload = 0.0
     if lay.recompute == "offload":
         dense_b, moe_b = layer_bytes(args, lay, False), layer_bytes(args, lay, True)
@@ -282,51 +275,45 @@ def _rank_time(
     return _RankTime(compute, tp, ep, cp_t, len(shape.chunks), offload)
 
 
-def _dp_traffic(
-    lay: Layout, cluster: Cluster, dense: float, expert: float, eff: Efficiency
-) -> tuple[float, float, float]:
-    """(gather once per step, reduce once per step, traffic per micro-batch) in seconds, one rank."""
-    t, cp = lay.tp, lay.cp
-    mega = lay.bf16_weights
-    fsdp = dense + (expert if lay.ep == 1 else 0.0)  # under EP the experts have their own group, below
-    pbytes = lay.act_bytes if mega else MASTER_BYTES  # gathered parameter dtype
-    gbytes = lay.act_bytes if (lay.megatron_engine and lay.zero_stage > 0) else 4  # reduced gradient dtype
-    shard = lay.dp_shard * cp if lay.zero_stage > 0 else 1
-    rep = lay.dp_replicate if lay.zero_stage > 0 else lay.dp * cp
-    shard_bw = group_bandwidth(cluster, shard, t, eff)
-    rep_bw = group_bandwidth(cluster, rep, t * shard, eff)
-    if lay.zero_stage == 0:
-        reduce = _collective(gbytes * fsdp, rep, rep_bw, eff, "ar")
-        gather = 0.0
-    else:
-        gather = _collective(pbytes * fsdp, shard, shard_bw, eff)
-        reduce = _collective(gbytes * fsdp, shard, shard_bw, eff, "rs")
-        reduce += _collective(gbytes * fsdp / shard, rep, rep_bw, eff, "ar")
-    edp = lay.edp if lay.ep > 1 else 1  # experts under EP: their replicas, ranks ep x etp apart
-    replica_mb = 0.0
-    if edp > 1:
-        edp_bw = group_bandwidth(cluster, edp, lay.ep * lay.etp, eff)
-        if lay.expert_fsdp:  # their own FSDP over the replicas: gathered, gradients reduce-scattered
-            gather += _collective(pbytes * expert, edp, edp_bw, eff)
-            reduce += _collective(gbytes * expert, edp, edp_bw, eff, "rs")
-        else:  # ZeRO-0: every replica keeps them whole; this trainer sums each micro-batch's expert gradient
-            summed = _collective(gbytes * expert, edp, edp_bw, eff, "ar")  # over the replicas (a hook)
-            if mega:
-                reduce += summed
-            else:
-                replica_mb = summed
-    mode = lay.grad_sync
-    if lay.zero_stage == 3 and lay.reshards_after_forward:  # gathered for forward and again for backward
-        per_mb = 2 * gather
-        if mode == "per_microbatch":
-            return 0.0, 0.0, per_mb + reduce
-        if mode == "replicate_per_step":
-            rs = _collective(gbytes * fsdp, shard, shard_bw, eff, "rs")
-            return 0.0, reduce - rs, per_mb + rs
-        return 0.0, reduce, per_mb
-    if mode == "per_microbatch":
-        return 0.0, 0.0, gather + reduce + replica_mb
-    return gather, reduce, replica_mb
+def _module_recompute(
+    args: TransformerArgs,
+    lay: Layout,
+    cluster: Cluster,
+    shape: RankShape,
+    tokens: float,
+    attn_layer: float,
+    eff: Efficiency,
+) -> float:
+    """Seconds per micro-batch of Megatron's module recompute (``Layout.recompute_modules``) on one rank: the
+    forward of each named module again in backward. ``core_attn``: the attention kernel's forward (2 of its 7
+    passes); ``mla_up_proj``: the MLA up-projections (and RoPE's traffic on their rotary part); ``mlp``: a
+    dense block's MLP GEMMs and activation; ``moe``: a MoE block's router, experts and shared experts (its
+    all-to-alls are counted with the EP traffic); ``moe_act``: the experts' SwiGLU; ``layernorm``: the two
+    norms. Nothing when the whole block is recomputed anyway (``recompute`` full)."""
+    mods = lay.recompute_modules
+    if not mods or lay.recompute == "full":
+        return 0.0
+    dev, t, a, h = cluster.device, lay.tp, lay.act_bytes, args.hidden_size
+    bw = dev.memory_bw_gbs * 1e9
+    dense_n, moe_n = shape.dense_layers, shape.moe_layers
+    out = 0.0
+    if "core_attn" in mods:
+        out += shape.layers * 2 / 7 * attn_layer
+    if "mla_up_proj" in mods and args.kv_lora_rank:
+        up = module_forward_gemm_time(args, lay, dev, tokens, "mla_up_proj", eff.gemm)
+        rope = 3 * a * tokens * args.num_heads * args.qk_rope_head_dim / t / bw  # read q, k; write
+        out += shape.layers * (up + rope)
+    if "mlp" in mods and dense_n:
+        act = 3 * a * tokens * args.intermediate_size / t / bw  # SwiGLU: read gate, up; write
+        out += dense_n * (module_forward_gemm_time(args, lay, dev, tokens, "mlp", eff.gemm) + act)
+    if "moe" in mods and moe_n:
+        act = 3 * a * tokens * args.top_k * args.moe_hidden_size / t / bw
+        out += moe_n * (module_forward_gemm_time(args, lay, dev, tokens, "moe", eff.gemm) + act)
+    elif "moe_act" in mods and moe_n:
+        out += moe_n * 3 * a * tokens * args.top_k * args.moe_hidden_size / t / bw
+    if "layernorm" in mods:
+        out += shape.layers * 2 * 2 * a * tokens * h / t / bw  # two RMSNorms: read, write
+    return out
 
 
 def estimate_step_time(
@@ -352,20 +339,32 @@ def estimate_step_time(
         tokens = lay.micro_batch_size * lay.seq_length / lay.cp
         pp_bw = group_bandwidth(cluster, 2, lay.tp * lay.cp * lay.dp, eff)
         msg = tokens * args.hidden_size / lay.tp * (lay.act_bytes if lay.bf16_weights else MASTER_BYTES)
-        p2p = 2 * (lay.pp - 1) * lay.chunks_per_rank * (msg / pp_bw + eff.latency_s)
+        one = msg / pp_bw + eff.latency_s
+        p2p = 2 * (lay.pp - 1) * lay.chunks_per_rank * one  # the fill and drain path
+        if lay.schedule == "1f1b":  # steady state: each step's send / receive pair is waited before the next
+            p2p += 2 * m * one  # compute (forward out + gradient in, then gradient out + next input in)
 
     # data parallel: the worst rank's exposed traffic
-    dp_exposed, dp_total, n_opt_max = 0.0, 0.0, 0.0
+    dp_exposed, dp_total, n_opt_max, replica_total = 0.0, 0.0, 0.0, 0.0
     for shape, tr in zip(shapes, times):
         dense, expert = rank_params(args, lay, shape)
-        gather, reduce, per_mb = _dp_traffic(lay, cluster, dense, expert, eff)
+        gather, reduce, per_mb = dp_traffic(lay, cluster, dense, expert, eff)
+        hooked, explicit = replica_traffic(lay, cluster, dense, expert, eff)
+        if reduce == 0.0 and per_mb > 0.0:  # reduce-scattered per micro-batch: the hook runs each time
+            per_mb += hooked
+        else:
+            reduce += hooked
         window = tr.compute  # the gather hides behind a first forward, the reduction behind a last backward
-        exposed = max(0.0, gather - eff.dp_overlap * window / 3)
+        exposed = explicit  # summed after the backward (plan/replicas.py)
+        exposed += max(0.0, gather - eff.dp_overlap * window / 3)
         exposed += max(0.0, reduce - eff.dp_overlap * 2 * window / 3)
         exposed += m * max(0.0, per_mb - eff.dp_overlap * window)
         exposed += (reduce + per_mb) / max(shape.layers, 1)  # the last block's reduction
         dp_exposed = max(dp_exposed, exposed)
-        dp_total = max(dp_total, gather + reduce + m * per_mb)
+        dp_total = max(dp_total, gather + reduce + m * per_mb + explicit)
+        replica_total = max(
+            replica_total, (m * hooked if reduce == 0.0 and per_mb > 0.0 else hooked) + explicit
+        )
         n_opt_max = max(n_opt_max, dense / lay.shard_degree + expert / lay.expert_shard_degree)
 
     if lay.offload:
@@ -379,7 +378,7 @@ def estimate_step_time(
         t_opt += 6 * (dense + expert) / (dev.memory_bw_gbs * 1e9)
 
     tokens_mb = lay.micro_batch_size * lay.seq_length
-    model_flops = args.flops_per_token(lay.seq_length) * tokens_mb * m * lay.dp / lay.world_size
+    model_flops = args.flops_per_token(lay.seq_length) * tokens_mb * m * lay.dp / lay.group_world
     st = times[slow]
     return StepTime(
         compute=m * st.compute,
@@ -393,7 +392,8 @@ def estimate_step_time(
         model_flops=model_flops,
         ep_comm=m * st.ep,
         offload=m * st.offload,
-        parts={"t_microbatch": t_mb, "slowest_stage": float(slow), "bubble_slots": bubble / t_mb if t_mb else 0.0},
+        parts={"t_microbatch": t_mb, "slowest_stage": float(slow), "bubble_slots": bubble / t_mb if t_mb else 0.0,
+               "replica_all_reduce": replica_total},
         stage_microbatch_s=[tr.total for tr in times],
     )  # fmt: skip
 

@@ -72,6 +72,7 @@ class FaultInjector:
         group = f"_replica{self.replica}" if self.replica is not None else ""
         self.record = Path(run_dir) / f"faults_fired{group}_rank{rank}.json"
         self.fired: set[str] = set(json.loads(self.record.read_text())) if self.record.exists() else set()
+        self.degraded = False  # replica groups: this step's quorum is short of groups (set by ft/replicas.py)
 
     def _due(
         self, kind: str, step: int, steps: list[int], every_rank: bool = False, replica: int | None = None
@@ -101,7 +102,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("hang", step, self.cfg.hang_at_step):
             time.sleep(self.cfg.hang_seconds)
-        if self.cfg.slow_seconds > 0 and self.cfg.slow_rank == self.rank:  # every step: a straggler drill
+        slow = self.cfg.slow_when == "always" or self.degraded  # degraded: a replica drill's survivors only
+        if self.cfg.slow_seconds > 0 and self.cfg.slow_rank == self.rank and slow:  # a straggler drill
             time.sleep(self.cfg.slow_seconds)
         starts = [s for s in self.cfg.spike_at_step if s <= step < s + max(self.cfg.spike_steps, 1)]
         if starts and self._due("spike", step, [step], every_rank=True):

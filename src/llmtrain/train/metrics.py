@@ -6,6 +6,13 @@ the file reads as one run. A ``metrics.jsonl`` or ``events.jsonl`` with damaged 
 types) never fails the run: the file is set aside under a new name and the readable rows continue
 (:func:`salvage`; :func:`parse_row` is the rule the report reads by too). The console shows a rich progress bar when stdout is a terminal and plain lines
 otherwise (CI, log files). Only rank 0 writes.
+
+Each row is one ``write`` to a file opened with ``O_APPEND`` for it, so several writers may append to the same
+``metrics.jsonl`` (replica groups, ft/: the quorum's first group writes each step's row, and that group changes
+while group 0 is down). There, ``writer`` says per row whether this process writes it, and the repair of the
+files (damaged lines, rows after the resume point) waits for :meth:`MetricsLogger.start`, which the replica set
+calls at its first quorum: only the group that starts the job's writing repairs; a group that rejoins a live run
+(it healed) never cuts or moves the rows the others are appending.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,35 +126,33 @@ class MetricsLogger:
         start_step: int = 0,
         enabled: bool = True,
         run_config: dict | None = None,
+        writer: Callable[[], bool] | None = None,
+        primary: bool = True,
     ):
+        """``writer``: replica groups (see the module docstring): whether this process writes the row now; the
+        files are then repaired by :meth:`start`, not here. ``primary``: this process owns the run's one-of-a-kind
+        sinks, the wandb run (``logging.wandb``) and the console's progress bar (replica groups: group 0's)."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.cfg = cfg
         self.total_steps = total_steps
-        self.tb = None
+        self.writer = writer
+        self.tb: Any = None
         self.progress = None
         self.wandb = None
         self.salvaged: list[str] = []
+        self._started = False  # the files repaired (or left alone) and TensorBoard's purge step decided
+        self._purge_step: int | None = None
+        self._closed = False
+        self._held: list[dict[str, Any]] = []  # rows logged before start() (a validation at the start)
         if not enabled:
             return
-        if getattr(cfg, "wandb", False):
+        if getattr(cfg, "wandb", False) and primary:
             self.wandb = start_wandb(cfg, self.run_dir, run_config)
-        # damaged lines of an earlier attempt: set aside (the file kept under another name), never fatal
-        self.salvaged = [
-            note
-            for note in (
-                salvage(self.path, "metrics", start_step),
-                salvage(self.run_dir / "events.jsonl", "events"),
-            )
-            if note is not None
-        ]
-        self._file = open(self.path, "a")
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
-        if cfg.progress_bar and sys.stdout.isatty():
+        if writer is None:
+            self.salvaged = self.start(start_step, repair=True)
+        if cfg.progress_bar and primary and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(
@@ -161,11 +167,48 @@ class MetricsLogger:
         self._t0 = time.time()
         self._start_step = start_step
 
+    def start(self, step: int, repair: bool) -> list[str]:
+        """Make the files ready for this process's rows: with ``repair`` (a run starting or resuming at ``step``,
+        no other writer live), damaged lines of an earlier attempt set aside (the file kept under another name,
+        never fatal) and metrics rows after ``step`` dropped, and TensorBoard purges its points after ``step``;
+        without it the files are left exactly as they are. Returns the sentences on what was set aside; once."""
+        if not self.enabled or self._started:
+            return []
+        self._started = True
+        notes = []
+        if repair:
+            self._purge_step = step + 1
+            notes = [
+                note
+                for note in (salvage(self.path, "metrics", step), salvage(self.run_dir / "events.jsonl", "events"))
+                if note is not None
+            ]  # fmt: skip
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))  # there from the start
+        if self.cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self._purge_step)
+        held, self._held = self._held, []
+        for row in held:
+            self._write(row)
+        return notes
+
     def log(self, row: dict[str, Any]) -> None:
-        if not self.enabled:
+        if not self.enabled or self._closed or (self.writer is not None and not self.writer()):
             return
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        if not self._started:  # replica groups, before the first quorum: written once the files are ready
+            self._held.append(row)
+            return
+        self._write(row)
+
+    def _write(self, row: dict[str, Any]) -> None:
+        data = (json.dumps(row) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:  # one write of the whole row: rows of concurrent writers never interleave
+            os.write(fd, data)
+        finally:
+            os.close(fd)
         step = int(row["step"])
         if self.tb is not None:
             for k, v in row.items():
@@ -215,15 +258,17 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Stop the progress bar, flush and close TensorBoard / wandb / metrics.jsonl (once; later calls no-op)."""
-        if not self.enabled or self._file.closed:
+        if not self.enabled or self._closed:
             return
+        if not self._started:  # replica groups, no step taken (resumed at the end): write what was held
+            self.start(self._start_step, repair=False)
+        self._closed = True
         if self.progress is not None:
             self.progress.stop()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-        self._file.close()
 
 
 def start_wandb(cfg: LoggingConfig, run_dir: Path, run_config: dict | None) -> Any:

@@ -23,7 +23,7 @@ undoes FSDP's average over the flattened dp_shard x cp mesh.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,11 @@ class TrainStep:
                 dist.all_reduce(t, group=self.dp_group)
         return t
 
+    def moe_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Expert loads and aux loss summed over the data-parallel ranks and the replica groups (the aux-free
+        bias update then sees the global batch's counts, as on one process)."""
+        return self.replica_sum(self.dp_sum(t))
+
     def forward_loss(self, cfg: Config, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         self.loss_fn.label_smoothing = float(cfg.train.label_smoothing)
         mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -143,9 +148,17 @@ class TrainStep:
             loss_sum = torch.zeros((), device=self.device)
             if self.pipeline is not None:  # the schedule runs forward/backward of every micro-batch
                 scale = self.scaler.scale_loss(torch.tensor(self.grad_scale / n_tokens)).item()
-                loss_sum = self.pipeline.train_step(
-                    micro_batches, scale, lambda loss: self.faults.poison_loss(step, loss)
+                # replica groups: one schedule run per slot (keep computes missing groups' slots too; the
+                # gradients accumulate), as the schedule takes a fixed number of micro-batches (ft/data.py)
+                runs = (
+                    cast(Any, batches).split_slots(micro_batches)
+                    if self.replicas is not None
+                    else [micro_batches]
                 )
+                for run in runs:
+                    loss_sum = loss_sum + self.pipeline.train_step(
+                        run, scale, lambda loss: self.faults.poison_loss(step, loss)
+                    )
                 micro_batches = []
             if not self._sync_built:  # the layout is fixed for the run: one switch, built on first use
                 plain = self.pipeline is None  # (a pipeline schedule switches FSDP's sync itself)
@@ -183,7 +196,7 @@ class TrainStep:
                 float8.after_optimizer_step(self.model, cfg.train.fp8)
             self.optimizer.zero_grad(set_to_none=True)
             moe = (
-                self.moe.finish(self.model, self.dp_sum, n_tokens, not skipped and committed)
+                self.moe.finish(self.model, self.moe_sum, n_tokens, not skipped and committed)
                 if self.moe
                 else {}
             )

@@ -101,14 +101,21 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
             raise
+        self.replicas = None  # fault_tolerance: this process's replica group (ft/replicas.py)
+        if self.cfg.fault_tolerance.enabled:  # before the first event: every row is tagged with the group
+            from llmtrain.ft.replicas import attach
+
+            self.replicas = attach(self)
+        # replica groups: every group's rank 0 may write; each row by the step's quorum's first group (metrics.py)
         self.metrics = MetricsLogger(
-            self.run_dir, self.cfg.logging, self.max_steps, self.step, enabled=self.rank == 0 and first_group(),
+            self.run_dir, self.cfg.logging, self.max_steps, self.step, enabled=self.rank == 0,
             run_config=config_to_dict(self.cfg) if self.cfg.logging.wandb else None,
+            writer=self.replicas.writes_run_files if self.replicas is not None else None, primary=first_group(),
         )  # fmt: skip
         self.events.echo = self.metrics.message
         for text in self.metrics.salvaged:  # damaged lines of metrics/events.jsonl set aside, never fatal
             self.events.write("log_damaged", reason=text)
-        for note in [*(notes or []), *self.run.notes]:
+        for note in [*(notes or []), *self.run.notes] if first_group() else []:  # once, not once per group
             self.metrics.message(f"note: {note}")
         for message in choice.messages():
             self.events.write("checkpoint_fallback", reason=message)
@@ -121,11 +128,6 @@ class Trainer:
         self.peak_flops = (
             peak_tflops(self.device, self.cfg.train.precision, self.cfg.logging.peak_tflops) * 1e12
         )
-        self.replicas = None  # fault_tolerance: this process's replica group (ft/replicas.py)
-        if self.cfg.fault_tolerance.enabled:
-            from llmtrain.ft.replicas import attach
-
-            self.replicas = attach(self)
 
     @property
     def max_steps(self) -> int:
@@ -177,7 +179,8 @@ class Trainer:
             self.lock.release()
         if self.preempted is not None:
             return {"step": self.step, "preempted": True}
-        if self.cfg.logging.plot and self.rank == 0:
+        writes = self.replicas is None or self.replicas.writes_run_files()  # replica groups: one group plots
+        if self.cfg.logging.plot and self.rank == 0 and writes:
             plot_losses(self.metrics.path, self.run_dir / "loss.png")
         return {"step": self.step, **self.last_val}
 

@@ -5,7 +5,8 @@ Three inputs reach it; :func:`adapt` picks the mapping by the file's top-level k
 * a **MindFormers run file** (1.x: ``model.model_config.type: LlamaConfig``; 2.x: Hugging Face-style
   ``model.model_config.model_type: qwen3``), recognised by ``model.model_config``, ``runner_config`` or
   ``context`` at the top level: ``structured.py`` (sections in ``sections.py``, the model in ``model.py``,
-  MindFormers' facts and defaults in ``tables.py``);
+  MindFormers' facts and defaults in ``tables.py``, its fault-tolerance switch ``$MS_ENABLE_TFT`` in
+  ``fault.py``);
 * the **flat layout of the seed documents** (``run_mode``, ``model_size``, ``model_config{}``,
   ``parallel_config{}``, ``train_config{}``...): ``flat.py``;
 * our **native layout**, possibly with MindSpore-only keys (``run.mode``, ``run.device_target: Ascend``):

@@ -7,6 +7,7 @@ from typing import Any
 
 from llmtrain.config.mindformers import tables as T
 from llmtrain.config.mindformers.common import Ctx, Fact, Ignore, Only, Spec, To, walk
+from llmtrain.config.mindformers.fault import CALLBACK_KEY_NOTE, CALLBACK_NOTE
 
 
 def _all(reason: str, *keys: str) -> Spec:
@@ -289,6 +290,10 @@ CALLBACKS: dict[str, tuple[Spec, str]] = {  # lower-case type -> (spec of its ke
     "trainingstatemonitor": (
         {},
         "ignored: llmtrain's metrics.jsonl records loss, grad norm, LR and throughput",
+    ),
+    "trainfaulttolerance": (  # MindSpore's MindIO TFT callback; the switch is $MS_ENABLE_TFT (fault.py)
+        {"ckpt_save_path": Ignore(CALLBACK_KEY_NOTE)},
+        CALLBACK_NOTE,
     ),
     "topkbiasbalancecallback": (
         _all(

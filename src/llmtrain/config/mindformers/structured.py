@@ -34,6 +34,7 @@ Figures that need several keys are computed after the walk (:func:`translate`), 
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from llmtrain.config.mindformers import tables as T
@@ -50,6 +51,7 @@ from llmtrain.config.mindformers.common import (
     lookup,
     walk,
 )
+from llmtrain.config.mindformers.fault import map_tft
 from llmtrain.config.mindformers.model import finish_model, finish_pipeline, map_model
 from llmtrain.config.mindformers.moe import map_moe_config
 from llmtrain.config.mindformers.schedule import PENDING, finish, run_length
@@ -81,6 +83,7 @@ NATIVE_SECTIONS = (
     "recompute",
     "stability",
     "fault",
+    "fault_tolerance",
     "stages",
 )
 
@@ -104,6 +107,7 @@ def translate(raw: dict, source: str) -> tuple[dict, list[str], str | None]:
     walk(ctx, "", {k: v for k, v in raw.items() if k not in NATIVE_SECTIONS}, _TOP_SPEC)
     missing = finish_model(ctx)
     _parallel_and_batch(ctx)
+    map_tft(ctx, os.environ)  # MindFormers' fault-tolerance switch is an environment variable (fault.py)
     finish_recompute(ctx)
     finish_data(ctx)
     run_length(ctx)
