@@ -145,35 +145,7 @@ class TrainStep:
             health.record(True)
             self.loss_fn.stats = health.stats
         with timer.phase("compute"):
-            loss_sum = torch.zeros((), device=self.device)
-            if self.pipeline is not None:  # the schedule runs forward/backward of every micro-batch
-                scale = self.scaler.scale_loss(torch.tensor(self.grad_scale / n_tokens)).item()
-                # replica groups: one schedule run per slot (keep computes missing groups' slots too; the
-                # gradients accumulate), as the schedule takes a fixed number of micro-batches (ft/data.py)
-                runs = (
-                    cast(Any, batches).split_slots(micro_batches)
-                    if self.replicas is not None
-                    else [micro_batches]
-                )
-                for run in runs:
-                    loss_sum = loss_sum + self.pipeline.train_step(
-                        run, scale, lambda loss: self.faults.poison_loss(step, loss)
-                    )
-                micro_batches = []
-            if not self._sync_built:  # the layout is fixed for the run: one switch, built on first use
-                plain = self.pipeline is None  # (a pipeline schedule switches FSDP's sync itself)
-                self._sync = grad_sync.for_model(self.model, cfg.parallel) if plain else None
-                self._sync_built = True
-            for i, mb in enumerate(micro_batches):
-                if self._sync is not None:  # reduce gradients on the last micro-batch only
-                    self._sync.before_micro_batch(i, len(micro_batches))
-                if self.moe is not None:
-                    self.moe.start(self.model, mb, self.scaler.scale * (self.grad_scale / n_tokens))
-                loss = self.faults.poison_loss(step, self.forward_loss(cfg, mb))
-                if self.moe is not None:
-                    self.moe.end(self.model)
-                self.scaler.scale_loss(loss * (self.grad_scale / n_tokens)).backward()
-                loss_sum += loss.detach()
+            loss_sum = self.forward_backward(cfg, step, micro_batches, n_tokens, batches)
             self.faults.after_backward(step, self.model)
             if self.replicas is not None:  # replica groups without FSDP's hook: sum gradients across groups
                 self.replicas.sync_grads(self.model)
@@ -211,6 +183,42 @@ class TrainStep:
             "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "tokens": n_tokens, **moe,
             "health": health_row, "committed": committed, **(self.replicas.row() if self.replicas else {}),
         }  # fmt: skip
+
+    def forward_backward(
+        self, cfg: Config, step: int, micro_batches: list[dict], n_tokens: int, batches: BatchIterator
+    ) -> torch.Tensor:
+        """Forward and backward of this step's micro-batches, each loss scaled by ``grad_scale / n_tokens`` (the
+        global batch's target tokens), through the pipeline schedule under PP; returns the summed loss."""
+        loss_sum = torch.zeros((), device=self.device)
+        if self.pipeline is not None:  # the schedule runs forward/backward of every micro-batch
+            scale = self.scaler.scale_loss(torch.tensor(self.grad_scale / n_tokens)).item()
+            # replica groups: one schedule run per slot (keep computes missing groups' slots too; the
+            # gradients accumulate), as the schedule takes a fixed number of micro-batches (ft/data.py)
+            runs = (
+                cast(Any, batches).split_slots(micro_batches)
+                if self.replicas is not None
+                else [micro_batches]
+            )
+            for run in runs:
+                loss_sum = loss_sum + self.pipeline.train_step(
+                    run, scale, lambda loss: self.faults.poison_loss(step, loss)
+                )
+            return loss_sum
+        # the layout is fixed for the run: one switch, built on first use (under PP the schedule switches it)
+        if not self._sync_built:
+            self._sync = grad_sync.for_model(self.model, cfg.parallel)
+            self._sync_built = True
+        for i, mb in enumerate(micro_batches):
+            if self._sync is not None:  # reduce gradients on the last micro-batch only
+                self._sync.before_micro_batch(i, len(micro_batches))
+            if self.moe is not None:
+                self.moe.start(self.model, mb, self.scaler.scale * (self.grad_scale / n_tokens))
+            loss = self.faults.poison_loss(step, self.forward_loss(cfg, mb))
+            if self.moe is not None:
+                self.moe.end(self.model)
+            self.scaler.scale_loss(loss * (self.grad_scale / n_tokens)).backward()
+            loss_sum += loss.detach()
+        return loss_sum
 
     def _health(self) -> HealthMonitor:
         """The health monitor of this rank's model, built on first use."""
