@@ -669,6 +669,17 @@ def wait_for_job(env: dict, job_id: str, timeout: float, release_requeued: bool 
     raise AssertionError(f"Slurm job {job_id} did not end within {timeout} s")
 
 
+def sbatch_train(env: dict, cfg: Path, log: Path, cwd: Path) -> str:
+    """Submit ``scripts/slurm_train.sbatch CFG`` on two nodes, one task each; the job id."""
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
+         f"--output={log}", str(ROOT / "scripts" / "slurm_train.sbatch"), str(cfg)],
+        capture_output=True, text=True, env=env, timeout=60, cwd=cwd,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    return submit.stdout.strip().split(";")[0]
+
+
 @pytest.mark.slow
 def test_slurm_preempted_job_exits_75_requeues_and_resumes(slurm, tiny_corpus, tmp_path, reference):
     """``sbatch --nodes=2 scripts/slurm_train.sbatch``, one rank per node: SIGTERM (``scancel --signal=TERM``)
@@ -679,13 +690,7 @@ def test_slurm_preempted_job_exits_75_requeues_and_resumes(slurm, tiny_corpus, t
     cfg = write(tmp_path / "job.yaml", job(tiny_corpus, out, fault={"slow_rank": 0, "slow_seconds": 0.5}))
     env = {**slurm, "LLMTRAIN": LLMTRAIN}
     log = tmp_path / "slurm.out"
-    submit = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
-         f"--output={log}", str(ROOT / "scripts" / "slurm_train.sbatch"), str(cfg)],
-        capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path,
-    )  # fmt: skip
-    assert submit.returncode == 0, submit.stderr
-    job_id = submit.stdout.strip().split(";")[0]
+    job_id = sbatch_train(env, cfg, log, tmp_path)
     deadline = time.monotonic() + 240
     while not ((out / "metrics.jsonl").is_file() and '"step": 2' in (out / "metrics.jsonl").read_text()):
         assert time.monotonic() < deadline and job_field(env, job_id, "JobState") in ("PENDING", "RUNNING"), (
@@ -785,13 +790,7 @@ def test_slurm_replicas_two_nodes_match_single_process(slurm, tiny_corpus, tmp_p
     cfg = write(tmp_path / "job.yaml", replica_job(tiny_corpus, out))
     env = {**slurm, "LLMTRAIN": LLMTRAIN, "REPLICAS": "2"}
     log = tmp_path / "slurm.out"
-    submit = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10",
-         f"--output={log}", str(ROOT / "scripts" / "slurm_train.sbatch"), str(cfg)],
-        capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path,
-    )  # fmt: skip
-    assert submit.returncode == 0, submit.stderr
-    job_id = submit.stdout.strip().split(";")[0]
+    job_id = sbatch_train(env, cfg, log, tmp_path)
     state = wait_for_job(env, job_id, timeout=300)
     text = log.read_text() if log.exists() else "no output"
     assert state == "COMPLETED", text[-6000:]
