@@ -229,7 +229,12 @@ def test_mpirun_rank_variables_under_map_by(map_by):
     code = "import json, os; from llmtrain.distributed.env import rank_env; print(json.dumps(rank_env().__dict__))"
     p = mpirun("--map-by", map_by, sys.executable, "-c", code, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    seen = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    # Open MPI forwards each rank's output as it reads it: two ranks' lines can arrive glued ('{...}{...}\n\n')
+    decoder, seen, at = json.JSONDecoder(), [], p.stdout.find("{")
+    while at != -1:
+        obj, end = decoder.raw_decode(p.stdout, at)
+        seen.append(obj)
+        at = p.stdout.find("{", end)
     assert sorted(s["rank"] for s in seen) == [0, 1]
     assert sorted(s["local_rank"] for s in seen) == [
         0,
