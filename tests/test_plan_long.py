@@ -340,6 +340,21 @@ def test_fp8_peaks_in_the_catalog():
         fp8_peak_tflops("NVIDIA A100-SXM4-80GB")
 
 
+def test_fp8_cast_traffic_by_hand():
+    """Dynamic tensorwise scaling's casts (gemm.FP8_CAST_BYTES): 6 bytes per distinct linear input element
+    (q/k/v share one, gate/up share one) and 4 per output-gradient element, over TP; none in bf16."""
+    from llmtrain.plan.gemm import fp8_cast_bytes
+
+    args, tokens = llama8b(8192), 8192.0
+    h, q, kv, i = 4096, 4096, 1024, 14336
+    for tp in (1, 2):
+        lay = Layout(tp=tp, dp_shard=8 // tp, zero_stage=3, seq_length=8192, fp8="tensorwise")
+        inputs = (h + q + h + i) / tp  # attention input, wo's input, the MLP input, w2's input
+        outputs = (q + 2 * kv + h + 2 * i + h) / tp  # wq, wk, wv, wo, w1, w3, w2
+        assert fp8_cast_bytes(args, lay, tokens, False) == pytest.approx(tokens * (6 * inputs + 4 * outputs))
+        assert fp8_cast_bytes(args, replace(lay, fp8="none"), tokens, False) == 0.0
+
+
 def test_fp8_linear_gemms_at_the_fp8_peak():
     from llmtrain.plan.gemm import GemmModel, block_gemm_time, gemm_time
 
@@ -351,13 +366,18 @@ def test_fp8_linear_gemms_at_the_fp8_peak():
     shapes = [(h, q, 1), (h, kv, 2), (q, h, 1), (h, i, 2), (i, h, 1)]
     g = GemmModel()
 
-    def by_hand(peak: float) -> float:
-        e, bw = dev.matmul_efficiency, 3350e9 * g.bandwidth_fraction
-        return sum(3 * c * (2 * tokens * n * k / (e * peak) + 2 * (tokens * k + k * n + tokens * n) / bw + 4e-6)
-                   for k, n, c in shapes)  # fmt: skip
+    e, bw = dev.matmul_efficiency, 3350e9 * g.bandwidth_fraction
 
-    assert block_gemm_time(args, fp8, dev, tokens, False, g)[0] == pytest.approx(by_hand(1979e12), rel=1e-12)
-    assert block_gemm_time(args, bf16, dev, tokens, False, g)[0] == pytest.approx(by_hand(989e12), rel=1e-12)
+    def by_hand(peak: float, inputs: int) -> float:  # fp8: 1-byte inputs, the bf16 output
+        return sum(3 * c * (2 * tokens * n * k / (e * peak) + (inputs * (tokens * k + k * n) + 2 * tokens * n) / bw
+                            + 4e-6) for k, n, c in shapes)  # fmt: skip
+
+    assert block_gemm_time(args, fp8, dev, tokens, False, g)[0] == pytest.approx(
+        by_hand(1979e12, 1), rel=1e-12
+    )
+    assert block_gemm_time(args, bf16, dev, tokens, False, g)[0] == pytest.approx(
+        by_hand(989e12, 2), rel=1e-12
+    )
     assert gemm_time(dev, 8192, 8192, 8192, 2, g, 1979e12) < gemm_time(dev, 8192, 8192, 8192, 2, g)
     cluster = parse_cluster("8xh100", load_catalog())
     t8, t16 = (estimate_step_time(args, lay, cluster, fused=True) for lay in (fp8, bf16))
@@ -372,7 +392,7 @@ def test_fp8_linear_gemms_at_the_fp8_peak():
         - block_gemm_time(moe, fp8, dev, tokens, True, g)[0]
     )
     attn = sum(
-        3 * c * 2 * tokens * n * k / dev.matmul_efficiency * (1 / 989e12 - 1 / 1979e12)
+        3 * c * (2 * tokens * n * k / e * (1 / 989e12 - 1 / 1979e12) + (tokens * k + k * n) / bw)
         for k, n, c in shapes[:3]
     )
     assert gain == pytest.approx(attn, rel=1e-9)

@@ -54,6 +54,40 @@ def test_a_killed_owner_leaves_no_stale_lock(tmp_path):
     RunLock(tmp_path).acquire().release()  # the OS dropped the dead process's lock
 
 
+@pytest.mark.parametrize(
+    "where", ["after the file is made", "after the lock is taken", "while it is dropped"]
+)
+def test_ctrl_c_inside_taking_or_releasing_a_prepare_lock_leaves_no_lock_file(tmp_path, monkeypatch, where):
+    """A Ctrl-C delivered at the worst moment inside RunLock (a tidy prepare lock) is raised once the lock's state
+    is whole again: acquire() then releases and removes the file (seen in CI when Ctrl-C met a starting
+    two-worker prepare); release() still removes it."""
+    from llmtrain.train import rundir
+
+    def interrupt() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # bytecodes in which Python would run the handler
+
+    if where == "after the file is made":
+        real_flock = rundir.fcntl.flock
+        monkeypatch.setattr(rundir.fcntl, "flock", lambda fd, op: (interrupt(), real_flock(fd, op))[1])
+    elif where == "after the lock is taken":
+        real_take = rundir._take
+        monkeypatch.setattr(rundir, "_take", lambda path, claim: (real_take(path, claim), interrupt())[0])
+    lock = RunLock.for_output(tmp_path / "ds")
+    if where == "while it is dropped":
+        lock.acquire()
+        real_drop = rundir._drop
+        monkeypatch.setattr(rundir, "_drop", lambda path: (interrupt(), real_drop(path))[1])
+        with pytest.raises(KeyboardInterrupt):
+            lock.release()
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            lock.acquire()
+    assert list(tmp_path.iterdir()) == [] and lock.path not in rundir._held  # no file, nothing held
+    monkeypatch.undo()
+    RunLock.for_output(tmp_path / "ds").acquire().release()  # free and whole
+
+
 def test_lock_is_reentrant_in_one_process_and_exclusive_across(tmp_path):
     a = RunLock(tmp_path).acquire()
     b = RunLock(tmp_path).acquire()  # same process: a second trainer over the same directory

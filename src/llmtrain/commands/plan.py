@@ -12,6 +12,7 @@ from typing import Any
 
 from llmtrain.commands.flags import float_in, int_at_least
 from llmtrain.plan.cli import CLAIM_KEYS
+from llmtrain.plan.layout import ATTENTION_KERNELS, ENGINES, GRAD_DTYPES, RECOMPUTE_MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,14 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--catalog", help="extra device catalog YAML (same layout as llmtrain/plan/devices.yaml)"
     )
-    parser.add_argument("--recompute", default=None, choices=("none", "selective", "full", "offload"),
+    parser.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
                         help="activation recompute (default: the config's recompute.mode)")  # fmt: skip
     parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params, grads, states")
     parser.add_argument("--search", action="store_true", help="rank the valid layouts of the cluster")
     parser.add_argument("--top", type=int_at_least(1), default=5, help="layouts shown by --search")
     parser.add_argument("--claim", action="append", default=[], metavar="KEY=VALUE",
                         help=f"check a stated figure; KEY one of {', '.join(CLAIM_KEYS)}")  # fmt: skip
-    parser.add_argument("--engine", default="llmtrain", choices=("llmtrain", "megatron", "nemo", "torchtitan"),
+    parser.add_argument("--engine", default="llmtrain", choices=ENGINES,
                         help="how the layout is executed: llmtrain (this trainer, default), megatron "
                         "(bf16 weights, SP inputs saved sharded, fused kernels), nemo (megatron with NeMo's "
                         "distributed Adam) or torchtitan (FSDP2 with a bf16 policy, loss parallel, per-op "
@@ -43,12 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtp-layers", type=int_at_least(0), default=0,
                         help="multi-token-prediction layers the publishing engine trains on the last stage "
                         "(Megatron mtp_num_layers)")  # fmt: skip
-    parser.add_argument("--grad-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+    parser.add_argument("--grad-dtype", default="auto", choices=GRAD_DTYPES,
                         help="gradient buffer of the megatron / nemo engines (memory, and the bytes the data-parallel "
                         "reduction moves): auto (Megatron-Core / NeMo / Megatron-Bridge: 16-bit with the distributed "
                         "optimizer, fp32 under ZeRO-0), fp32 (Megatron-LM --bf16, DeepSpeed's bf16 optimizer) or "
                         "bf16; the llmtrain and torchtitan engines keep fp32 gradients whatever it says")  # fmt: skip
-    parser.add_argument("--attention", default="flash", choices=("flash", "unfused"),
+    parser.add_argument("--attention", default="flash", choices=ATTENTION_KERNELS,
                         help="attention kernel, every engine (time only): flash (a fused flash-attention kernel, "
                         "default) or unfused (Megatron before flash attention, Narayanan et al. 2021 / BLOOM: "
                         "the s x s scores as batched GEMMs and a fused softmax)")  # fmt: skip

@@ -274,11 +274,7 @@ class PipelineRunner:
             self.schedule.step(*args, target=labels, return_outputs=False, **kwargs)
         self.tied.after_backward()
         if self.moe is not None:  # several runs in one step (replica groups' keep): their figures add up
-            before = [m.step_stats for m in moe_layers(self.model)]
             self.moe.after_step(self.model, self.n_mb, tokens_per_mb)
-            for m, prev in zip(moe_layers(self.model), before):
-                if prev is not None and m.step_stats is not None:
-                    m.step_stats = (prev[0] + m.step_stats[0], prev[1] + m.step_stats[1])
         self._state = _StepState()
         return self._reduce(recorded)
 

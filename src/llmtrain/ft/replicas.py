@@ -125,7 +125,7 @@ class ReplicaSet:
             self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
         self.participants, self.position = layout.replicas, layout.replica_id
         self.members: list[int] | None = None
-        self._hooked = self._install_hooks(trainer.model)
+        self._install_hooks(trainer.model)
 
     # ---- heal (torchft calls these on the quorum's thread, inside start_quorum)
     def _state(self) -> dict[str, Any]:
@@ -136,9 +136,9 @@ class ReplicaSet:
         self._healed = {"bytes": state_bytes(state["tensors"]), "step": self.trainer.step}
 
     # ---- gradients
-    def _install_hooks(self, model: torch.nn.Module) -> bool:
+    def _install_hooks(self, model: torch.nn.Module) -> None:
         """FSDP2's all-reduce hook on every FSDP unit of ``model`` (where ``fsdp_hook_sums`` allows); the parameters
-        no hook reduces are summed by :meth:`sync_grads`. True when any hook was installed."""
+        no hook reduces are summed by :meth:`sync_grads`."""
         pipelined = getattr(self.trainer.step_fn, "pipeline", None) is not None
         ft = self.trainer.cfg.fault_tolerance
         hooks = fsdp_hook_sums(pipelined, ft.batch_policy, ft.replicas)
@@ -146,7 +146,6 @@ class ReplicaSet:
         if hooked:
             for m in fsdp_units(model):
                 m.set_all_reduce_hook(self._all_reduce_hook)
-        return bool(hooked)
 
     def _all_reduce_hook(self, output: torch.Tensor) -> None:
         self.manager.allreduce(output, reduce_op=dist.ReduceOp.SUM).wait()
@@ -242,10 +241,6 @@ class ReplicaSet:
         """The first group of the step's quorum (the lowest live replica id) writes the run's files: its
         checkpoints and each step's metrics row (validation, TensorBoard, the loss plot)."""
         return self.position == 0
-
-    def writes_checkpoints(self) -> bool:
-        """The run's checkpoints: :meth:`writes_run_files`."""
-        return self.writes_run_files()
 
     def row(self) -> dict[str, int]:
         """Fields of the step's metrics row."""

@@ -32,7 +32,8 @@ projections; also ``torchtitan``) or ``megatron`` / ``nemo`` (fused QKV and gate
 With ``train.fp8`` (``Layout.fp8``) the block's linear layers (attention projections, the dense MLP, shared
 experts: what ``distributed/float8.py`` converts) run at the device's dense FP8 peak (``peak_fp8_tflops``, a
 ConfigError naming the device when it has none); the router, the routed experts, the output head and attention
-itself stay at the bf16 peak. The operand traffic stays at the activation dtype (standing for the fp8 casts).
+itself stay at the bf16 peak, their two inputs are read as 1-byte elements, and the casts of dynamic tensorwise
+scaling (torchao's ``Float8Linear``) are memory traffic of their own (:func:`fp8_cast_bytes`).
 
 Multi-head latent attention (``kv_lora_rank`` > 0) is costed as one ``h -> A / (h t)`` projection of the same
 parameter count ``A``. Flash attention is not a GEMM here: its FLOPs run at the device's published
@@ -64,11 +65,13 @@ def gemm_time(
     dev: Device, m: float, n: float, k: float, operand_bytes: int, model: GemmModel, peak: float | None = None
 ) -> float:
     """Seconds of one ``(m x k) @ (k x n)`` GEMM on ``dev`` (the module docstring's curve); ``peak``: FLOP/s
-    instead of the device's bf16 peak (the FP8 peak for ``train.fp8``'s linear layers)."""
+    instead of the device's bf16 peak (the FP8 peak for ``train.fp8``'s linear layers, whose two inputs are read
+    as 1-byte elements; the output stays ``operand_bytes``)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     flops = 2.0 * m * n * k / (dev.matmul_efficiency * (peak or dev.peak_flops))
-    traffic = operand_bytes * (m * k + k * n + m * n) / (model.bandwidth_fraction * dev.memory_bw_gbs * 1e9)
+    inputs = (1 if peak else operand_bytes) * (m * k + k * n)
+    traffic = (inputs + operand_bytes * m * n) / (model.bandwidth_fraction * dev.memory_bw_gbs * 1e9)
     return flops + traffic + model.kernel_s
 
 
@@ -127,6 +130,37 @@ def block_gemm_time(
     seconds += sum(3 * c * gemm_time(dev, m, n, k, b, model) for m, k, n, c in other)
     flops = sum(6.0 * c * m * n * k for m, k, n, c in shapes + other)
     return seconds, flops
+
+
+FP8_CAST_BYTES = (6.0, 4.0)
+"""Bytes the casts of dynamic tensorwise FP8 scaling move per element (a count, not fitted): per linear-layer input
+element 3 forward (read bf16, write fp8; its amax fused into the kernel that made it) and 3 backward (its
+transposed fp8 copy for the weight-gradient GEMM); per output-gradient element 4 (read bf16, write fp8 and the
+transposed copy). An input shared by several GEMMs (q, k, v; gate and up) is cast once; the weights' casts
+(once per micro-batch, on the FSDP shard) are left out (about 1% of a step in the published runs)."""
+
+
+def fp8_cast_bytes(args: TransformerArgs, lay: Layout, tokens: float, moe: bool) -> float:
+    """Bytes of the FP8 casts of one block's converted linear layers (attention projections, a dense MLP or the
+    shared experts) on one TP rank for ``tokens`` tokens (:data:`FP8_CAST_BYTES`); 0 without ``train.fp8``."""
+    if lay.fp8 == "none":
+        return 0.0
+    h, t = args.hidden_size, lay.tp
+    modules = [_attention_gemms(args, lay, ParamShape(args))]
+    width = args.shared_experts * args.moe_hidden_size if moe else args.intermediate_size
+    if width:
+        modules.append(_mlp_gemms(h, width, lay))
+    inputs = outputs = 0.0
+    for (
+        gemms
+    ) in modules:  # the column-parallel GEMMs read the (sharded) block input; the last is row-parallel
+        if len(gemms) == 1:  # MLA costed as one projection of the block input
+            inputs, outputs = inputs + h / t, outputs + gemms[0][1]
+            continue
+        inputs += h / t + gemms[-1][0]
+        outputs += sum(n * c for _, n, c in gemms[:-1]) + h / t
+    cast_in, cast_out = FP8_CAST_BYTES
+    return tokens * (cast_in * inputs + cast_out * outputs)
 
 
 def module_forward_gemm_time(

@@ -10,7 +10,9 @@ directory under another run directory (another process on this host, or on anoth
 system that honours ``flock``), is refused with a ConfigError naming that owner, before it writes anything. The
 operating system drops the lock when its process dies, so a crashed, killed or preempted run leaves no stale
 lock: the file stays, the lock on it does not. Within one process the lock is re-entrant (several trainers over
-one directory, one after the other, as tests and notebooks do).
+one directory, one after the other, as tests and notebooks do). Taking and releasing are not cut in half by a
+Ctrl-C or SIGTERM (:func:`_signals_deferred`): a lock file this process made is always either held and
+remembered, so that ``release()`` removes it, or gone.
 
 The same lock serves ``llmtrain prepare``, one live owner per ``--output`` (:meth:`RunLock.for_output`): the file is ``.PREFIX.llmtrain.lock`` beside the output, and it is removed when the
 lock is released (a prepared folder holds only the dataset); a contender that opened the file just before its
@@ -26,8 +28,12 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -100,20 +106,49 @@ class RunLock:
         if self._taken:
             return self
         try:
-            for claim in self._claims:
-                path = claim.path
-                if path not in self._taken:  # a checkpoint directory that is the run directory: one lock
-                    _take(path, claim)
-                    self._taken.append(path)
+            with _signals_deferred():  # a Ctrl-C held back here is raised on leaving it: released below
+                for claim in self._claims:
+                    path = claim.path
+                    if path not in self._taken:  # a checkpoint directory that is the run directory: one lock
+                        _take(path, claim)
+                        self._taken.append(path)
+                self.path = self._taken[0]
         except BaseException:
             self.release()
             raise
-        self.path = self._taken[0]
         return self
 
     def release(self) -> None:
-        while self._taken:
-            _drop(self._taken.pop())
+        with _signals_deferred():
+            while self._taken:
+                _drop(self._taken.pop())
+
+
+_DEFERRED = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold back SIGINT and SIGTERM while the body runs (main thread only, where Python runs its signal
+    handlers), then deliver them again to the handlers that were in place. Without it a Ctrl-C between creating
+    a tidy lock file and remembering it leaves the file behind (seen once in CI, two-worker ``prepare``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    before = {s: signal.getsignal(s) for s in _DEFERRED}
+    if any(h is None for h in before.values()):  # a handler not set from Python: nothing to restore it to
+        yield
+        return
+    for s in _DEFERRED:
+        signal.signal(s, lambda signum, _frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
 
 
 def _take(path: Path, claim: _Claim) -> None:

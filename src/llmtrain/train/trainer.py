@@ -342,7 +342,7 @@ class Trainer:
         """Checkpoint now (in the background with checkpoint.async_save); keep a host copy for rollbacks."""
         state = self.trainer_state()
         self.saved_step = self.step
-        if self.replicas is not None and not self.replicas.writes_checkpoints():
+        if self.replicas is not None and not self.replicas.writes_run_files():
             return  # replica groups: the first group of the quorum writes the run's checkpoints
         if self.cfg.checkpoint.async_save:
             self.wait_checkpoint()  # one save in flight: the previous one commits first (and is logged)

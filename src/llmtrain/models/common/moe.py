@@ -408,14 +408,17 @@ class PipelineMoEStats:
         reset_balance(model)
 
     def after_step(self, model: nn.Module, n_mb: int, tokens_per_mb: float) -> None:
-        """After the schedule's step: each MoE block of ``model`` gets (token-weighted aux sum, counts [E])."""
+        """After the schedule's step: each MoE block of ``model`` gets (token-weighted aux sum, counts [E]); a
+        second schedule run before :meth:`take` (replica groups' ``keep``: one run per slot) adds to them."""
         tokens_per_mb = _cp_total(model, tokens_per_mb)
         for m in moe_layers(model):
             recorded = self._forwards.get(id(m), [])[-n_mb:]
             if recorded:
                 aux = sum((a.float() for a, _ in recorded if a is not None), torch.zeros(()))
                 counts = torch.stack([c for _, c in recorded]).sum(0).float()
-                m.step_stats = (aux.to(counts.device) * tokens_per_mb, counts)
+                stats = (aux.to(counts.device) * tokens_per_mb, counts)
+                prev = m.step_stats
+                m.step_stats = stats if prev is None else (prev[0] + stats[0], prev[1] + stats[1])
         self._forwards.clear()
 
     @staticmethod
