@@ -845,6 +845,14 @@ def test_torchtitan_engine_by_hand():
     assert (
         logits_bytes(args, tp2, tokens) == tokens * 128256 / 2 * 14
     )  # loss_parallel's decomposed log-softmax
+    # torchtitan from 2025 compiles its loss (--compiled-loss): the bf16 logits and the bf16 gradient, TP or not
+    for layout in (lay, tp2):
+        compiled = replace(layout, loss_compiled=True)
+        assert logits_bytes(args, compiled, tokens) == tokens * 128256 / layout.tp * 4
+    compiled = estimate_memory(args, replace(lay, loss_compiled=True))
+    assert est.total - compiled.total == pytest.approx(tokens * 128256 * (12 - 4))
+    with pytest.raises(ConfigError, match="--compiled-loss models torchtitan's compiled cross-entropy"):
+        replace(lay, engine="megatron", loss_compiled=True)
     saved = tokens * 32 * 63616 + tokens * block_input_bytes(lay, h)
     assert est.activations == pytest.approx(saved + layer_bytes(args, lay))  # + one block recomputed
     # no accumulation: the gradients, the recomputed block, one block's unsharded gradient (before its

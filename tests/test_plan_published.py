@@ -187,6 +187,8 @@ RUNS: dict[str, tuple[float, list[str], str, list[str]]] = {
 TT = ["--engine", "torchtitan"]
 TT_SEL, TT_FULL = TT + ["--recompute", "selective"], TT + ["--recompute", "full"]
 TT_ASYNC = TT_FULL + ["--tp-overlap"]
+TT_2025 = TT_SEL + ["--compiled-loss"]
+"""torchtitan from 2025: the loss compiled under ``training.compile`` (its December 2024 benchmarks ran it eager)."""
 NOC, COMP, FP8 = (
     ["train.compile=false"],
     ["train.compile=true"],
@@ -228,6 +230,11 @@ RUNS.update({  # fmt: skip
     "torchtitan-a100-llama2-13b-op": (1904.0, LLAMA2_13B + NOC + layout(1, 1, 128, mbs=2, zero=3), "64xa100-80gb", TT_SEL),
     "torchtitan-a100-llama2-70b-op": (355.0, LLAMA2_70B + NOC + layout(1, 1, 64, zero=3), "64xa100-80gb", TT_SEL),
     "torchtitan-a100-llama2-70b-full": (353.0, LLAMA2_70B + NOC + layout(1, 1, 128, mbs=2, zero=3), "64xa100-80gb", TT_FULL),
+    # torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, June 2025; torchtitan e7c0cae):
+    # llama3_8b.toml (seq 8192, op-level selective AC) with local batch 2, training.compile (the loss compiled
+    # too in that version: components/loss.py) and float8 (FSDP float8 all-gather), 4 and 8 nodes of 8 H200
+    **{f"torchtitan-h200-8b-fsdp{n}-fp8": (tps, L3_8B + S8K + FP8 + layout(1, 1, 2 * n, mbs=2, zero=3), f"{n}xh200", TT_2025)
+       for n, tps in ((32, 10938.0), (64, 10753.0))},
 })  # fmt: skip
 
 
@@ -258,6 +265,7 @@ SOURCES = {  # name prefix -> where the figures are published
     "mindformers-": "MindFormers docs/model_cards/llama2.md (tokens/s/p)",
     "torchtitan-h100-": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (TPS/GPU, Memory(GiB))",
     "torchtitan-a100-": "torchtitan docs/performance.md (WPS per GPU, 64 A100)",
+    "torchtitan-h200-": "torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy; TPS/GPU, Memory(GiB))",
 }
 FIT_SOURCES = ("megatron-", "narayanan-")
 """The fit half, by source: the two sources the global time constants were first chosen on. The constants it
@@ -275,6 +283,7 @@ MEASURED_MEMORY = {  # name -> Memory(GiB) as published (torchtitan: max reserve
     "torchtitan-h100-405b-1f1b": 82.5, "torchtitan-h100-405b-interleaved": 72.7,
     "torchtitan-h100-405b-cp1": 75.3, "torchtitan-h100-405b-cp2": 75.9, "torchtitan-h100-405b-cp4": 77.1,
     "torchtitan-h100-405b-cp8": 84.9,
+    "torchtitan-h200-8b-fsdp32-fp8": 47.96, "torchtitan-h200-8b-fsdp64-fp8": 46.97,
 }  # fmt: skip
 MEASURED_OOM = {
     # torchtitan docs/performance.md, footnote 1: "the 70B training with local batch size 2 will cause an OOM
@@ -285,11 +294,12 @@ MEMORY_BOUND = (-0.16, 0.065)
 """Planned reserved / measured - 1 for every MEASURED_MEMORY case, as measured at this commit: the planner's
 reserved peak (its allocated peak, checked on CPU within 10%, plus ALLOCATOR_RESERVE) is at most 6.4% above
 torchtitan's and at most 15.7% under it (the 70B 2-D run at 131k tokens per micro-batch: docs/planner.md)."""
-MEMORY_MAE_BOUND = {"all": 0.057, "fit": 0.037, "held-out": 0.067}
-"""Goal 10%; measured: all 18 runs 5.6%, fit half (6) 3.6%, held-out half (12) 6.6%."""
-TIME_MAE_BOUND = {"all": 0.095, "fit": 0.075, "held-out": 0.107}
-"""Tokens/s MAE as measured at this commit (goal 10% on each): all 9.5%, fit half 7.4%, held-out half 10.6%
-(10.2 / 7.4 / 11.8% before torch's async TP hid only the forward's TP collectives and FP8's casts were costed as
+MEMORY_MAE_BOUND = {"all": 0.056, "fit": 0.037, "held-out": 0.064}
+"""Goal 10%; measured: all 20 runs 5.5%, fit half (6) 3.6%, held-out half (14) 6.4% (the two H200 runs of
+June 2025, +5.2% / +4.0% with torchtitan's compiled loss, would be +42% with the December 2024 eager one)."""
+TIME_MAE_BOUND = {"all": 0.096, "fit": 0.075, "held-out": 0.107}
+"""Tokens/s MAE as measured at this commit (goal 10% on each): all 56 runs 9.5%, fit half (19) 7.4%, held-out half
+(37) 10.6% (10.2 / 7.4 / 11.8% over 54 runs before torch's async TP hid only the forward's TP collectives and FP8's casts were costed as
 traffic; 9.2 / 5.4 / 11.4% before the data-parallel reduction moved the gradient buffer's dtype, the
 Megatron-style ZeRO-2 reduce-scatter was charged per micro-batch and the fit half's optimum was re-fitted). The
 held-out half misses the goal by 0.6 points: torchtitan's ring attention at >= 64k tokens (KNOWN_TIME_MISSES)."""
@@ -410,8 +420,9 @@ def test_each_run_within_25_percent_and_fits(planned, name):
 
 
 def memory_fit_half(name: str) -> bool:
-    """The fit half of the measured-memory runs, by table: torchtitan's 1-D FSDP runs (Tables 1 and 3)."""
-    return "-fsdp" in name
+    """The fit half of the measured-memory runs, by table: torchtitan's 1-D FSDP runs of its December 2024 H100
+    benchmark (Tables 1 and 3)."""
+    return name.startswith("torchtitan-h100-8b-fsdp")
 
 
 def test_measured_memory(planned, capsys):
@@ -429,7 +440,7 @@ def test_measured_memory(planned, capsys):
               f"fit half ({len(fit)}) {_mae(fit):.1%}, held-out half ({len(held)}) {_mae(held):.1%}")  # fmt: skip
     for n, e in errors.items():
         assert MEMORY_BOUND[0] <= e <= MEMORY_BOUND[1], f"{n}: planned / measured - 1 = {e:+.1%}"
-    assert len(fit) == 6 and len(held) == 12
+    assert len(fit) == 6 and len(held) == 14
     assert _mae(list(errors.values())) <= MEMORY_MAE_BOUND["all"]
     assert _mae(fit) <= MEMORY_MAE_BOUND["fit"] and _mae(held) <= MEMORY_MAE_BOUND["held-out"]
 

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "selective recompute); see docs/planner.md")  # fmt: skip
     parser.add_argument("--tp-overlap", action="store_true",
                         help="TP collectives overlap with the GEMMs (Megatron --tp-comm-overlap, async TP)")  # fmt: skip
+    parser.add_argument("--compiled-loss", action="store_true",
+                        help="engine torchtitan: its cross-entropy compiled (torchtitan from 2025 under "
+                        "training.compile; its December 2024 benchmarks ran it eager)")  # fmt: skip
     parser.add_argument("--recompute-modules", default="", metavar="MODULE[,MODULE]",
                         help="Megatron-style module recompute (recompute_modules under selective granularity): "
                         "core_attn, mla_up_proj, mlp, moe, moe_act, layernorm; time only (docs/planner.md)")  # fmt: skip
@@ -69,6 +72,7 @@ def layout_options(args: argparse.Namespace) -> dict[str, Any]:
         "mtp_layers": args.mtp_layers,
         "grad_dtype": args.grad_dtype,
         "attention": args.attention,
+        "loss_compiled": args.compiled_loss,
     }
 
 

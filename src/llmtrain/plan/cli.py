@@ -177,12 +177,13 @@ def print_plan(
     mtp_layers: int = 0,
     grad_dtype: str = "auto",
     attention: str = "flash",
+    loss_compiled: bool = False,
 ) -> None:
     """Plan ``config`` (with ``overrides``) on ``cluster_spec`` (None: from the config) and print the table, or
     one JSON object with ``as_json``; ``search_layouts`` adds the ``top`` ranked layouts, ``claims`` the verdicts
     on stated figures (``KEY=VALUE``, KEY one of CLAIM_KEYS). ``engine`` (llmtrain: this trainer; megatron:
-    Megatron-style implementations), ``tp_overlap``, ``grad_dtype`` and ``attention`` say how the layout is
-    executed (plan/layout.py)."""
+    Megatron-style implementations), ``tp_overlap``, ``grad_dtype``, ``attention`` and ``loss_compiled`` say
+    how the layout is executed (plan/layout.py)."""
     cfg, _notes = load_config(config, overrides)
     cluster = resolve_cluster(cfg, cluster_spec, catalog)
     layout, margs, tokens_per_step = layout_from_config(
@@ -196,6 +197,7 @@ def print_plan(
         mtp_layers=mtp_layers,
         grad_dtype=grad_dtype,
         attention=attention,
+        loss_compiled=loss_compiled,
     )
     fused = bool(cfg.train.compile)
     result = evaluate(margs, layout, cluster, tokens_per_step, fused)

@@ -130,6 +130,11 @@ class Layout:
     al. 2021 ran: batched ``Q K^T`` and ``P V`` GEMMs over all ``s x s`` scores, a fused scale-mask-softmax
     kernel and attention dropout on the materialized scores; no published rate: costed at
     ``Efficiency.attention_ratio`` of the GEMM ceiling). Time only (``plan/timing.py``); ``--attention``."""
+    loss_compiled: bool = False
+    """Engine ``torchtitan``: its cross-entropy runs as one compiled function (``--compiled-loss``; torchtitan
+    compiles it under ``training.compile`` from 2025, ``components/loss.py``; its December 2024 benchmarks ran
+    it eager): the loss holds the bf16 logits and the bf16 gradient, not the fp32 copies
+    (``long_context.TORCHTITAN_COMPILED_LOGIT_BYTES``), and moves fewer bytes (``plan/timing.py``)."""
     grad_dtype: str = "auto"
     """The Megatron-style engines' gradient buffer (main grads): ``auto`` (Megatron-Core's
     ``DistributedDataParallelConfig.grad_reduce_in_fp32 = False``: 16 bits, fp32 under ZeRO-0), ``fp32``
@@ -153,6 +158,12 @@ class Layout:
             raise ConfigError(f"--engine {self.engine!r} is not one of {', '.join(ENGINES)}.")
         if self.grad_dtype not in GRAD_DTYPES:
             raise ConfigError(f"--grad-dtype {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}.")
+        if self.loss_compiled and self.engine != "torchtitan":
+            raise ConfigError(
+                f"--compiled-loss models torchtitan's compiled cross-entropy and the engine is {self.engine}: this "
+                "trainer compiles its loss under train.compile on its own and the Megatron-style engines fuse "
+                "theirs. Drop --compiled-loss, or plan with --engine torchtitan."
+            )
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError(f"--attention {self.attention!r} is not one of {', '.join(ATTENTION_KERNELS)}.")
         if bad := [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]:
@@ -303,6 +314,8 @@ class Layout:
             parts.append(f"grad-{self.grad_dtype}")
         if self.tp_overlap and self.tp > 1:
             parts.append("tp-overlap")
+        if self.loss_compiled:
+            parts.append("compiled-loss")
         if self.fp8 != "none":
             parts.append(f"fp8-{self.fp8}")
         if self.recompute_modules:

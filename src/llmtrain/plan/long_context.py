@@ -63,6 +63,11 @@ freed before ``backward``): the log-softmax backward holds its saved fp32 output
 receives and the fp32 gradient it returns; the forward's bf16 logits + fp32 copy + fp32 output are 10 (fp32
 runs: 8). Per chunk under the chunked loss. Measured with the step's peak on CPU (tests/test_plan.py)."""
 
+TORCHTITAN_COMPILED_LOGIT_BYTES = 4
+"""Bytes per logit element at torchtitan's loss peak when the loss is compiled (``Layout.loss_compiled``): the
+upcast, log-softmax and gradient fuse into kernels that keep only the bf16 logits (saved for backward, with a
+per-token fp32 log-sum-exp) and write the bf16 gradient (a count, with or without TP)."""
+
 TORCHTITAN_LOGIT_BYTES = {False: 12, True: 14}
 """Bytes per logit element at torchtitan's loss peak (``cross_entropy(pred.float(), labels)``, the bf16 logits
 deleted before backward), without / with TP: log-softmax's backward holds its saved fp32 output, the fp32
@@ -213,8 +218,9 @@ def logits_bytes(args: TransformerArgs, lay: Layout, tokens: float) -> float:
     vocab = args.vocab_size / (lay.tp if lay.bf16_weights else 1)
     chunk = loss_chunk(args, lay)
     live = min(float(chunk), tokens) if chunk else tokens
-    if lay.torchtitan:  # the fp32 loss: its peak element bytes (TORCHTITAN_LOGIT_BYTES)
-        return live * vocab * TORCHTITAN_LOGIT_BYTES[lay.tp > 1]
+    if lay.torchtitan:  # the fp32 loss: its peak element bytes (TORCHTITAN_LOGIT_BYTES), or compiled
+        per = TORCHTITAN_COMPILED_LOGIT_BYTES if lay.loss_compiled else TORCHTITAN_LOGIT_BYTES[lay.tp > 1]
+        return live * vocab * per
     if not lay.bf16_weights:  # this trainer: the log-softmax backward's peak (LLMTRAIN_LOGIT_BYTES)
         return live * vocab * LLMTRAIN_LOGIT_BYTES
     return live * vocab * (lay.act_bytes + LOGIT_BYTES_EXTRA)

@@ -94,10 +94,12 @@ def layout_from_config(
     mtp_layers: int = 0,
     attention: str = "flash",
     grad_dtype: str = "auto",
+    loss_compiled: bool = False,
 ) -> tuple[Layout, TransformerArgs, int]:
     """(layout, model args, tokens per step) of the run config on ``world_size`` devices; ConfigError for a
     feasibility ``split`` rule (the model does not divide over the degrees, see the module docstring).
-    ``engine`` / ``tp_overlap`` / ``recompute_modules`` / ``mtp_layers`` / ``attention`` / ``grad_dtype``: how
+    ``engine`` / ``tp_overlap`` / ``recompute_modules`` / ``mtp_layers`` / ``attention`` / ``grad_dtype`` /
+    ``loss_compiled``: how
     the layout is executed and what else the publishing engine trains (:class:`~llmtrain.plan.layout.Layout`)."""
     replicas = cfg.fault_tolerance.replicas if cfg.fault_tolerance.enabled else 1
     if replicas > 1:  # one group's layout on world / R ranks, its slice batch / R of the global batch
@@ -118,7 +120,7 @@ def layout_from_config(
         precision=cfg.train.precision, reduce_grads=p.reduce_grads, engine=engine, tp_overlap=tp_overlap,
         fp8=cfg.train.fp8, loss_chunk_tokens=cfg.train.loss_chunk_tokens, document_mask=cfg.model.document_mask,
         recompute_modules=tuple(recompute_modules), mtp_layers=mtp_layers, replicas=replicas, attention=attention,
-        grad_dtype=grad_dtype, replica_policy=cfg.fault_tolerance.batch_policy,
+        grad_dtype=grad_dtype, replica_policy=cfg.fault_tolerance.batch_policy, loss_compiled=loss_compiled,
     )  # fmt: skip
     split = [pr for pr in layout_problems(cfg, world_size, d.model_args) if RULES[pr.rule].kind == "split"]
     raise_fatal(split)

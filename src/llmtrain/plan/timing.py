@@ -209,8 +209,9 @@ def _rank_time(
             * (1 + loss_recompute_fraction(args, lay))
             * head_gemm_time(args, lay, dev, tokens, eff.gemm)
         )
+        per = 3 * a if lay.loss_compiled else a + 12  # fused: read forward, read + write backward
         compute += heads * (
-            tokens * v / (1 if mega else t) * (a + 12) / (dev.memory_bw_gbs * 1e9)
+            tokens * v / (1 if mega else t) * per / (dev.memory_bw_gbs * 1e9)
         )  # logits, softmax, grad
         # MTP's 2h -> h projection of [norm(h_i); norm(emb(t_i+k))] (three GEMMs)
         compute += shape.mtp * 3 * gemm_time(dev, tokens, h / t, 2 * h, a, eff.gemm)
