@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "distributed Adam) or torchtitan (FSDP2 with a bf16 policy, loss parallel, per-op "
                         "selective recompute); see docs/planner.md")  # fmt: skip
     parser.add_argument("--tp-overlap", action="store_true",
-                        help="TP collectives overlap with the GEMMs (Megatron --tp-comm-overlap, async TP)")  # fmt: skip
+                        help="TP collectives overlap with the GEMMs (Megatron --tp-comm-overlap; torch async TP: "
+                        "the forward's only)")  # fmt: skip
     parser.add_argument("--compiled-loss", action="store_true",
                         help="engine torchtitan: its cross-entropy compiled (torchtitan from 2025 under "
                         "training.compile; its December 2024 benchmarks ran it eager)")  # fmt: skip

@@ -151,9 +151,8 @@ def fp8_cast_bytes(args: TransformerArgs, lay: Layout, tokens: float, moe: bool)
     if width:
         modules.append(_mlp_gemms(h, width, lay))
     inputs = outputs = 0.0
-    for (
-        gemms
-    ) in modules:  # the column-parallel GEMMs read the (sharded) block input; the last is row-parallel
+    # each module's column-parallel GEMMs read the (sharded) block input; its last GEMM is row-parallel
+    for gemms in modules:
         if len(gemms) == 1:  # MLA costed as one projection of the block input
             inputs, outputs = inputs + h / t, outputs + gemms[0][1]
             continue

@@ -20,7 +20,8 @@ choices of *how* the layout is executed that the planner cannot read from a conf
   second matmul output, attention and reduce-scatter outputs saved, the rest recomputed). The differences are
   in :mod:`~llmtrain.plan.memory` and :mod:`~llmtrain.plan.timing`.
 * ``tp_overlap``: tensor-parallel collectives overlap with the GEMMs that use them (Megatron
-  ``--tp-comm-overlap`` / Transformer Engine userbuffers, torch async TP); off by default, as in this trainer.
+  ``--tp-comm-overlap`` / Transformer Engine userbuffers; torch async TP, the forward's only: plan/timing.py);
+  off by default, as in this trainer.
 
 Read from the config as well: ``fp8`` (``train.fp8``), ``loss_chunk_tokens`` (``train.loss_chunk_tokens``),
 ``document_mask`` (``model.document_mask``), ``recompute`` ``offload`` (``recompute.mode: offload``, the
