@@ -172,6 +172,15 @@ class RingAttention:
     steps: int
 
 
+def ring_kv_width(args: TransformerArgs) -> int:
+    """Width of the K and V torchtitan's Llama passes to ``scaled_dot_product_attention``: all the query
+    heads x head_dim. Its attention repeats the K/V heads before SDPA (``keys = repeat_kv(xk, self.n_rep)``, in
+    ``torchtitan/models/llama/model.py`` at 9dec370, the commit its December 2024 benchmark names), and
+    ``context_parallel`` wraps SDPA, so the ring gathers, accumulates and rotates K/V (and dK/dV) ``num_heads /
+    num_kv_heads`` times wider than the model's GQA width: 4x for Llama 3 8B, 16x for 405B."""
+    return args.num_heads * args.head_dim
+
+
 RING_MERGE_BYTES = {"fwd_step": 32.5, "fwd_once": 12.0, "bwd_q_step": 14.5, "bwd_q_once": 20.0,
                     "bwd_kv_step": 28.0, "bwd_kv_once": 20.0}  # fmt: skip
 """Bytes per element of the rank's attention output (``q``) or K/V (``kv``) the ring's eager ops move, counted
@@ -193,7 +202,7 @@ def ring_attention(args: TransformerArgs, lay: Layout) -> RingAttention | None:
     b, cp, t = lay.micro_batch_size, lay.cp, lay.tp
     local = b * lay.seq_length / cp  # tokens of the rank (two load-balanced chunks)
     q_el = local * args.num_heads * args.head_dim / t
-    kv_el = 2 * local * _kv_width(args) / t
+    kv_el = 2 * local * ring_kv_width(args) / t
     m = RING_MERGE_BYTES
     return RingAttention(
         merge_fwd=q_el * (m["fwd_once"] + (cp - 1) * m["fwd_step"]),
@@ -239,5 +248,5 @@ def offload_seconds(dev: Device, saved_bytes: float) -> float:
 __all__ = [
     "cp_additive_mask_bytes", "cp_bool_mask_bytes", "cp_comm_bytes", "cp_dense_keys", "cp_layer_bytes",
     "cp_mask_traffic", "logits_bytes", "loss_chunk", "loss_recompute_fraction", "offload_seconds", "ring_attention",
-    "RingAttention", "RING_MERGE_BYTES", "trainer_cp",
+    "RingAttention", "RING_MERGE_BYTES", "ring_kv_width", "trainer_cp",
 ]  # fmt: skip
