@@ -9,7 +9,9 @@ Launching once per world size keeps the suite fast (torch import ~2 s/process).
 
 Variant options (popped before the config is merged): ``count_comm`` (True: the bytes every collective of
 torch.distributed's API moves, per step and per call name, from wrapped real calls: ``CommCounter``),
-``fp8_emulate`` (True: torchao's emulated fp8 GEMMs, so train.fp8 runs on CPU), plus those below.
+``fp8_emulate`` (True: torchao's emulated fp8 GEMMs, so train.fp8 runs on CPU), ``memory_peak`` (True: two more
+steps under torch's MemTracker, the model and optimizer tracked; every rank's peak bytes of live tensors, the
+smaller of the two, in ``memory_peak``), plus those below.
 """
 
 from __future__ import annotations
@@ -69,6 +71,45 @@ class CommCounter:
         return out
 
 
+def step_peak(trainer: Trainer) -> list[dict[str, int]]:
+    """Every rank's peak bytes of live tensors over a training step (MemTracker, as tests/test_plan.py measures
+    one process; the smaller of two steps): ``Total`` and its split by kind at that moment (parameters,
+    gradients, optimizer states, activations, temporaries) as MemTracker labels them."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        """A root module called again in the same step (the next micro-batch, the next pipeline micro-batch)
+        starts its per-module statistics afresh; the global peak, the figure read here, is kept. No gradient
+        hooks on the parameters (they only label gradients, which are counted as allocated anyway, and the
+        zero-bubble schedules' input-only ``autograd.grad`` refuses hooked leaves)."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):  # noqa: ANN001, ANN202
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+        def _pre_fw_hook(self, module, inputs):  # noqa: ANN001, ANN202
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.memory_tracking.pop(module, None)
+                super()._pre_fw_hook(module, inputs)
+
+    snaps = []
+    for _ in range(
+        2
+    ):  # the smaller of two steps' peaks: one step's late asynchronous free is not the layout's
+        tracker = StepTracker()
+        tracker.track_external(trainer.model, trainer.optimizer)
+        with tracker:
+            trainer.train_step()
+        snaps.append(
+            {str(k): int(v) for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
+        )
+    snap = min(snaps, key=lambda s: s["Total"])
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, snap)
+    return peaks
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     torch.set_num_threads(1)
@@ -85,6 +126,7 @@ def main() -> None:
             counter = CommCounter()
         save_after = over.pop("save_after_steps", False)  # True: checkpoint after the steps (resume tests)
         with_val = over.pop("validate", False)  # True: also report the validation loss after the steps
+        mem_peak = over.pop("memory_peak", False)
         dump = over.pop("dump_state", None)  # PATH: rank 0 torch.saves the full (gathered) model state dict
         cfg = merge(spec["base"], over)
         out_dir = over.get("run", {}).get("output_dir")  # a variant may name its run directory (export tests)
@@ -109,6 +151,8 @@ def main() -> None:
                 results[name][key] = [o[key] for o in outs]
         if count_comm:
             results[name]["comm"] = comm
+        if mem_peak:
+            results[name]["memory_peak"] = step_peak(trainer)
         if save_after:
             trainer.save()
             trainer.checkpointer.wait()

@@ -24,6 +24,21 @@ def _proj_widths(args: TransformerArgs) -> tuple[float, float]:
     return (heads + 2 * args.num_kv_heads) * args.head_dim, heads * args.head_dim
 
 
+def _mla_attention_bytes(args: TransformerArgs, lay: Layout) -> float:
+    """This trainer's MLA attention per token (models/common/mla.py), counted with saved-tensor hooks on CPU:
+    SDPA keeps q, k, v and its output at one head width ``W = max(nope + rope, v)`` (the narrower side is
+    zero-padded so the fused kernel serves it) and the logsumexp; ``wo`` keeps the output cut back to ``v``
+    (a copy when ``v < W``); each latent norm (query ``q_lora_rank`` when set, key/value ``kv_lora_rank``) its
+    fp32 input and rstd, and its output twice at the activation dtype (the norm's and its projection's
+    input); the latents are whole on every TP rank."""
+    a, t, heads = lay.act_bytes, lay.tp, args.num_heads
+    qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    width = max(qk, v)
+    sdpa = (a * heads * (4 * width + (v if v < qk else 0)) + 4 * heads) / t
+    latents = [r for r in (args.q_lora_rank, args.kv_lora_rank) if r]
+    return sdpa + sum(4 * r + 4 + 2 * a * r for r in latents)
+
+
 def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
     """Bytes autograd saves per token in one block without recompute (see the module docstring)."""
     h, t, a = args.hidden_size, lay.tp, lay.act_bytes
@@ -53,6 +68,10 @@ def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False
         ffn = (4 * e + 12 * k + a * k * (2 * h + 3 * hm) + 3 * a * s * hm) / t
         return norms + attention + ffn
     norms = n_norms * (8 * h + 4) / t
+    if mla:
+        attention = _mla_attention_bytes(args, lay)
+    elif getattr(args, "qk_norm", False):  # per-head RMSNorm of q and of k: fp32 input, rstd, output
+        attention += sum((4 + a) * n * args.head_dim + 4 * n for n in (args.num_heads, args.num_kv_heads)) / t
     # The gathered norm output, cast once in the block under autocast (models/common/transformer.py): one copy
     # for wq/wk/wv (or MLA's projections), one for the MLP's w1/w3; the MoE casts its fp32 input per consumer.
     casts = 2 if lay.precision != "fp32" else 1  # copies of the MoE's input for the shared experts' w1, w3

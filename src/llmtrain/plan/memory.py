@@ -184,6 +184,7 @@ def concurrency_overlap(
     bwd_temp: float = 0.0,
     grads_pending: float = 0.0,
     after_backward: float = 0.0,
+    saved_at_recompute: float | None = None,
 ) -> float:
     """Bytes the itemised sum counts twice for phases that never meet: the loss's logits peak at the end of
     the forward and the start of the backward; a recomputed block's activations, one block's unsharded
@@ -195,13 +196,18 @@ def concurrency_overlap(
     ``max(saved + logits, saved + b, b + gradients - grads_pending)`` (at layer ``i`` of the backward: the
     saved activations below ``i``, the gradients above it and the block in hand, whose own gradients and the
     embedding's, ``grads_pending``, come later), and after the backward ``gradients + after_backward`` (replica
-    groups' flat all-reduce buffer, which meets the gradients but no activation); measured on CPU with torch's
-    MemTracker, one process and two gloo ranks (``tests/test_plan.py::test_step_peak_matches_the_planner``)."""
+    groups' flat all-reduce buffer, which meets the gradients but no activation). ``saved_at_recompute``: what
+    is still saved when the highest recomputed block runs again (selective recompute: the blocks above it have
+    released theirs; the top block's backward meets all of ``saved`` but no recomputed block); default
+    ``saved``. Measured on CPU with torch's MemTracker, one process, two gloo ranks and every layout the parity
+    tests run (``tests/test_plan.py``, ``tests/test_plan_measured.py``)."""
     live_grads = 0.0 if (lay.megatron_engine or lay.grad_accum > 1) else grads
     backward = transient + block_grad + bwd_temp
     summed = saved + backward + logits + live_grads + after_backward
     pending = min(grads_pending, live_grads)
-    phases = (saved + logits, saved + backward, backward + live_grads - pending, live_grads + after_backward)
+    at_recompute = saved if saved_at_recompute is None else saved_at_recompute
+    phases = (saved + logits, saved + block_grad + bwd_temp, at_recompute + backward,
+              backward + live_grads - pending, live_grads + after_backward)  # fmt: skip
     return summed - max(phases)
 
 
@@ -319,6 +325,12 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
     elif lay.recompute == "selective":
         frac = 1.0 / max(lay.recompute_every, 1)
         stored, transient = frac * shape.layers * boundary + (1 - frac) * full_set, biggest
+        # blocks 0, every, 2 every, ... are recomputed; the highest of them, j, runs again after the blocks
+        # above it have released what they saved: below it j / every inputs and the other blocks whole
+        every = max(lay.recompute_every, 1)
+        j = every * ((shape.layers - 1) // every) if shape.layers else 0
+        below = (j // every) * boundary + (j - j // every) * full_set / max(shape.layers, 1) + boundary
+        stored_at_recompute = below
     else:
         stored, transient = full_set, 0.0
     # the residual stream at each stage boundary: this trainer's torch pipelining keeps a stage's output until
@@ -330,6 +342,11 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
     if lay.megatron_engine and lay.pp > 1:
         held = 1.0 if shape.head else 0.0
     saved = stored * n_flight + boundary * held
+    saved_at_recompute = None
+    if (
+        lay.recompute == "selective" and not lay.bf16_weights
+    ):  # this trainer: its micro-batch in backward holds less
+        saved_at_recompute = stored * (n_flight - 1) + stored_at_recompute + boundary * held
     activations = saved + transient
 
     dispatch = 0.0
@@ -337,6 +354,15 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         rows = tokens * lay.dispatch_share * args.top_k * args.hidden_size
         dispatch = 2 * rows * (lay.act_bytes if lay.bf16_weights else 4)
     logits = logits_bytes(args, lay, tokens) if shape.head else 0.0
+    if shape.head and lay.pp > 1 and not lay.megatron_engine:
+        # torch pipelining computes the loss right after the last stage's forward and keeps that output, the
+        # logits, until the micro-batch's backward (without PP this trainer frees them before the backward): per
+        # head micro-batch in flight one copy at the activation dtype, and for every one but the micro-batch
+        # whose backward peaks the loss's saved fp32 log-softmax output. GPipe holds all of them; the 1F1B
+        # family runs the head chunk's backward right after its forward (one)
+        head_flight = lay.grad_accum if lay.schedule == "gpipe" else 1
+        per_element = head_flight * lay.act_bytes + (head_flight - 1) * 4
+        logits += tokens * args.vocab_size / (lay.tp if lay.bf16_weights else 1) * per_element
     if shape.head and lay.torchtitan:
         # the final norm's input (sharded) and rstd, and its gathered output (saved whole by the head)
         logits += tokens * (lay.act_bytes * args.hidden_size * (1 + 1 / lay.tp) + 4 / lay.tp)
@@ -360,7 +386,7 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
     # gradients not yet produced while the first block's backward peaks: its own and the embedding's
     pending = grads * min(1.0, (block + embed) / (dense + expert)) if shape.layers and dense + expert else 0.0
     overlap = concurrency_overlap(lay, saved, transient, logits, grads, st["unsharded_gradients"], bwd_temp,
-                                  pending, replica["device"])  # fmt: skip
+                                  pending, replica["device"], saved_at_recompute)  # fmt: skip
     return MemoryEstimate(
         parameters=params,
         gradients=grads,

@@ -28,6 +28,11 @@ rotary key: ``kv_lora_rank + rope`` numbers per position, one all-gather) rather
 values (``H x (nope + rope + v)``); every rank then expands all positions with ``wkv_b`` for its local queries,
 and the gather's backward reduce-scatters the latent's gradient.
 
+The value heads are zero-padded to the query / key head width (or, when wider, the queries and keys to
+theirs) before ``scaled_dot_product_attention`` and the output cut back: the fused kernels want one head width
+(CPU's flash kernel, CUDA's flash), and without it SDPA falls back to the math kernel on CPU, which keeps the
+``B x H x T x S`` probabilities for backward (at 256 tokens twice the rest of a debug block).
+
 The local number of heads is read from the projected shapes, so a column-wise shard of ``wq``/``wq_b`` and
 ``wkv_b`` (and a row-wise ``wo``) works unchanged. :func:`check_mla_args` validates the fields at resolution.
 """
@@ -128,6 +133,11 @@ class MultiHeadLatentAttention(nn.Module):
             (k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1
         )  # [B, S, H_local, nope+rope]
         q = torch.cat((q_nope, q_rope), dim=-1)
+        width = self.nope + self.rope_dim
+        if self.v_dim < width:  # one head width for all three, so that the fused kernel serves it (below)
+            v = F.pad(v, (0, width - self.v_dim))
+        elif self.v_dim > width:  # zeros in q and k change no score (the scale is explicit)
+            q, k = F.pad(q, (0, self.v_dim - width)), F.pad(k, (0, self.v_dim - width))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H_local, T or S, .]
         attn_mask = sdpa_mask(mask, q.dtype)  # the forward's shared additive mask
         out = F.scaled_dot_product_attention(
@@ -137,8 +147,8 @@ class MultiHeadLatentAttention(nn.Module):
             attn_mask=attn_mask,
             is_causal=mask.is_causal and attn_mask is None,
             scale=self.softmax_scale,
-        )  # [B, H_local, T, v]
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        )  # [B, H_local, T, max(nope + rope, v)]
+        return self.wo(out.transpose(1, 2)[..., : self.v_dim].reshape(bsz, seqlen, -1))
 
 
 def check_mla_args(values: dict[str, Any]) -> None:

@@ -1,0 +1,94 @@
+"""The planner against the trainer's own peak on CPU, layout by layout (issue 30): every parallel axis and the
+compositions the parity tests run (tests/test_parallel.py, test_pipeline.py, test_context_parallel.py,
+test_compose.py, test_compose_moe.py, test_deepseek.py), each trained by the real trainer under torchrun
+(gloo) and measured with torch's MemTracker over one step after two (``tests/distributed/worker.py``
+``memory_peak``: the peak bytes of live tensors on each rank: parameters, gradients, optimizer states,
+activations, temporaries; the smaller of two steps' peaks). The planner's figure (``estimate_memory(...).total``,
+its worst rank) is compared with the largest rank's peak: within 10% for every layout.
+
+Model sizes are the debug flavors at 256 tokens, micro-batch 2, 4 micro-batches per step in all (so that
+attention, the logits and the optimizer states all weigh in); fp32 as the parity tests run, one bf16 run.
+The zero-bubble schedules (``zero_bubble``, ``zbv``) are not measured: MemTracker's module hooks turn their
+input-only ``autograd.grad`` into an error. The one-process and two-rank checks by hand (ZeRO-3, ZeRO-2, TP 2,
+each recompute mode) are ``tests/test_plan.py``'s.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from llmtrain.config import config_from_dict
+from llmtrain.plan import estimate_memory
+from llmtrain.plan.search import layout_from_config
+from test_parallel import WORKER, base, launch
+
+sys.path.insert(0, str(WORKER.parent))
+from worker import merge  # noqa: E402  (the worker's own rule: the config each variant trains)
+
+BOUND = 0.10
+QWEN_MOE = {"model_type": "qwen3", "flavor": "debug_moe"}
+DEEPSEEK = {"model_type": "deepseek_v3", "flavor": "debug"}
+PP = {"pipeline_parallel": 2, "schedule": "1f1b"}
+LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the base config
+    2: {
+        "zero3_dp2": {"parallel": {"zero_stage": 3}},
+        "zero1_dp2": {"parallel": {"zero_stage": 1}},
+        "tp2": {"parallel": {"tensor_parallel": 2}},
+        "pp2_1f1b": {"parallel": PP},
+        "pp2_gpipe": {"parallel": {**PP, "schedule": "gpipe"}},
+        "cp2": {"parallel": {"context_parallel": 2}},
+        "zero3_dp2_selective": {"parallel": {"zero_stage": 3}, "recompute": {"mode": "selective"}},
+    },
+    4: {
+        "dp2_tp2": {"parallel": {"zero_stage": 3, "tensor_parallel": 2}},
+        "dp2_tp2_bf16": {"parallel": {"zero_stage": 3, "tensor_parallel": 2}, "train": {"precision": "bf16"}},
+        "dp2_tp2_full": {"parallel": {"zero_stage": 3, "tensor_parallel": 2}, "recompute": {"mode": "full"}},
+        "hsdp_2x2": {"parallel": {"zero_stage": 3, "data_parallel_replicate": 2}},
+        "tp2_pp2": {"parallel": {**PP, "tensor_parallel": 2}},
+        "dp2_pp2": {"parallel": {**PP, "zero_stage": 3}},
+        "pp2_interleaved": {"model": {"num_layers": 4},
+                            "parallel": {**PP, "schedule": "interleaved_1f1b", "virtual_stages": 2, "zero_stage": 3}},
+        "cp2_tp2": {"parallel": {"context_parallel": 2, "tensor_parallel": 2}},
+        "cp2_pp2": {"parallel": {**PP, "context_parallel": 2}},
+        "qwen3_dp2_tp2": {"model": {"model_type": "qwen3"}, "parallel": {"zero_stage": 3, "tensor_parallel": 2}},
+        "moe_ep2_dp4": {"model": QWEN_MOE, "parallel": {"zero_stage": 3, "expert_parallel": 2}},
+        "moe_ep4_tp2": {"model": QWEN_MOE, "parallel": {"zero_stage": 3, "tensor_parallel": 2, "expert_parallel": 4}},
+        "moe_ep2_pp2": {"model": {**QWEN_MOE, "num_layers": 4}, "parallel": {**PP, "expert_parallel": 2}},
+        "deepseek_dp4": {"model": DEEPSEEK, "parallel": {"zero_stage": 3}},
+        "deepseek_ep2_tp2": {"model": DEEPSEEK,
+                             "parallel": {"zero_stage": 3, "tensor_parallel": 2, "expert_parallel": 2}},
+    },
+}  # fmt: skip
+
+
+def _base(prefix: str) -> dict:
+    cfg = base(prefix, "llama3")
+    cfg["model"]["seq_length"] = 256
+    cfg["train"].update(batch_size=8, micro_batch_size=2)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_corpus, tmp_path_factory) -> dict[int, dict]:
+    out = {}
+    for world, layouts in LAYOUTS.items():
+        spec = {"base": _base(tiny_corpus), "steps": 2,
+                "variants": {n: {**v, "memory_peak": True} for n, v in layouts.items()}}  # fmt: skip
+        out[world] = launch(world, spec, tmp_path_factory.mktemp(f"mem{world}"))
+    return out
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, layouts in LAYOUTS.items() for n in layouts])
+def test_planned_memory_is_the_trainers_peak(measured, tiny_corpus, world, name, capsys):
+    over = LAYOUTS[world][name]
+    cfg = config_from_dict(merge(_base(tiny_corpus), over))
+    lay, args, _ = layout_from_config(cfg, world, cfg.recompute.mode)
+    planned = estimate_memory(args, lay).total
+    peaks = [r["Total"] for r in measured[world][name]["memory_peak"]]
+    err = planned / max(peaks) - 1
+    with capsys.disabled():
+        print(f"\n  {name:<20} world {world}: measured {max(peaks):>10,} B (ranks {min(peaks):,}..{max(peaks):,}), "
+              f"planned {planned:>12,.0f} B  {err:+.1%}")  # fmt: skip
+    assert abs(err) <= BOUND, f"{name}: planned {planned:.0f} B, measured peaks {peaks}"
