@@ -3,13 +3,16 @@ compositions the parity tests run (tests/test_parallel.py, test_pipeline.py, tes
 test_compose.py, test_compose_moe.py, test_deepseek.py), each trained by the real trainer under torchrun
 (gloo) and measured with torch's MemTracker over one step after two (``tests/distributed/worker.py``
 ``memory_peak``: the peak bytes of live tensors on each rank: parameters, gradients, optimizer states,
-activations, temporaries; the smaller of two steps' peaks). The planner's figure (``estimate_memory(...).total``,
+activations, temporaries; the smaller of two steps' peaks, so that one step's late asynchronous free on one
+rank does not count as the layout's: seen once at +20% on DP 2 x TP 2; for MoE the smaller is also the
+better-balanced routing, the other step up to 9% higher). The planner's figure (``estimate_memory(...).total``,
 its worst rank) is compared with the largest rank's peak: within 10% for every layout.
 
 Model sizes are the debug flavors at 256 tokens, micro-batch 2, 4 micro-batches per step in all (so that
 attention, the logits and the optimizer states all weigh in); fp32 as the parity tests run, one bf16 run.
-The zero-bubble schedules (``zero_bubble``, ``zbv``) are not measured: MemTracker's module hooks turn their
-input-only ``autograd.grad`` into an error. The one-process and two-rank checks by hand (ZeRO-3, ZeRO-2, TP 2,
+The zero-bubble schedules (``zero_bubble``, ``zbv``) are measured without MemTracker's module tracking (its
+hooks turn their input-only ``autograd.grad`` into an error), which counts only tensors made under the tracker:
+a lower bound. ``KNOWN_MISSES`` lists what is still beyond 10%, asserted to stay beyond it. The one-process and two-rank checks by hand (ZeRO-3, ZeRO-2, TP 2,
 each recompute mode) are ``tests/test_plan.py``'s.
 """
 
@@ -50,6 +53,10 @@ LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the ba
         "dp2_pp2": {"parallel": {**PP, "zero_stage": 3}},
         "pp2_interleaved": {"model": {"num_layers": 4},
                             "parallel": {**PP, "schedule": "interleaved_1f1b", "virtual_stages": 2, "zero_stage": 3}},
+        "pp2_zero_bubble": {"model": {"num_layers": 4},
+                            "parallel": {**PP, "schedule": "zero_bubble", "virtual_stages": 2, "zero_stage": 3}},
+        "pp2_zbv": {"model": {"num_layers": 4},
+                    "parallel": {**PP, "schedule": "zbv", "virtual_stages": 2, "zero_stage": 3}},
         "cp2_tp2": {"parallel": {"context_parallel": 2, "tensor_parallel": 2}},
         "cp2_pp2": {"parallel": {**PP, "context_parallel": 2}},
         "qwen3_dp2_tp2": {"model": {"model_type": "qwen3"}, "parallel": {"zero_stage": 3, "tensor_parallel": 2}},
@@ -61,6 +68,18 @@ LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the ba
                              "parallel": {"zero_stage": 3, "tensor_parallel": 2, "expert_parallel": 2}},
     },
 }  # fmt: skip
+
+
+NO_MODULE_HOOKS = {"pp2_zero_bubble", "pp2_zbv"}
+KNOWN_MISSES = {  # name -> (bound on |planned / measured - 1|, why)
+    "pp2_zero_bubble": (
+        0.36,
+        "torch's interleaved zero-bubble schedule splits each backward into an input-gradient step and a later "
+        "weight-gradient step, and between the two the micro-batch's graph stays alive; the planner counts its "
+        "activations as interleaved 1F1B's and charges nothing for what waits for the weight step (measured "
+        "45% above the plan on a lower-bound count; zbv, the same split in a V, is within 10%)",
+    ),
+}
 
 
 def _base(prefix: str) -> dict:
@@ -75,7 +94,8 @@ def measured(tiny_corpus, tmp_path_factory) -> dict[int, dict]:
     out = {}
     for world, layouts in LAYOUTS.items():
         spec = {"base": _base(tiny_corpus), "steps": 2,
-                "variants": {n: {**v, "memory_peak": True} for n, v in layouts.items()}}  # fmt: skip
+                "variants": {n: {**v, "memory_peak": "no_module_hooks" if n in NO_MODULE_HOOKS else True}
+                             for n, v in layouts.items()}}  # fmt: skip
         out[world] = launch(world, spec, tmp_path_factory.mktemp(f"mem{world}"))
     return out
 
@@ -91,4 +111,7 @@ def test_planned_memory_is_the_trainers_peak(measured, tiny_corpus, world, name,
     with capsys.disabled():
         print(f"\n  {name:<20} world {world}: measured {max(peaks):>10,} B (ranks {min(peaks):,}..{max(peaks):,}), "
               f"planned {planned:>12,.0f} B  {err:+.1%}")  # fmt: skip
-    assert abs(err) <= BOUND, f"{name}: planned {planned:.0f} B, measured peaks {peaks}"
+    bound = KNOWN_MISSES.get(name, (BOUND, ""))[0]
+    assert abs(err) <= bound, f"{name}: planned {planned:.0f} B, measured peaks {peaks}"
+    if name in KNOWN_MISSES:
+        assert abs(err) > BOUND, f"{name} is now within {BOUND:.0%}: remove it from KNOWN_MISSES"

@@ -11,7 +11,8 @@ Variant options (popped before the config is merged): ``count_comm`` (True: the 
 torch.distributed's API moves, per step and per call name, from wrapped real calls: ``CommCounter``),
 ``fp8_emulate`` (True: torchao's emulated fp8 GEMMs, so train.fp8 runs on CPU), ``memory_peak`` (True: two more
 steps under torch's MemTracker, the model and optimizer tracked; every rank's peak bytes of live tensors, the
-smaller of the two, in ``memory_peak``), plus those below.
+smaller of the two, in ``memory_peak``; ``"no_module_hooks"``: without its module tracking, for the zero-bubble
+schedules), plus those below.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class CommCounter:
         return out
 
 
-def step_peak(trainer: Trainer) -> list[dict[str, int]]:
+def step_peak(trainer: Trainer, module_hooks: bool = True) -> list[dict[str, int]]:
     """Every rank's peak bytes of live tensors over a training step (MemTracker, as tests/test_plan.py measures
     one process; the smaller of two steps): ``Total`` and its split by kind at that moment (parameters,
     gradients, optimizer states, activations, temporaries) as MemTracker labels them."""
@@ -80,8 +81,7 @@ def step_peak(trainer: Trainer) -> list[dict[str, int]]:
     class StepTracker(MemTracker):
         """A root module called again in the same step (the next micro-batch, the next pipeline micro-batch)
         starts its per-module statistics afresh; the global peak, the figure read here, is kept. No gradient
-        hooks on the parameters (they only label gradients, which are counted as allocated anyway, and the
-        zero-bubble schedules' input-only ``autograd.grad`` refuses hooked leaves)."""
+        hooks on the parameters (they only label gradients, which are counted as allocated anyway)."""
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):  # noqa: ANN001, ANN202
             return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
@@ -93,17 +93,35 @@ def step_peak(trainer: Trainer) -> list[dict[str, int]]:
                 self.memory_tracking.pop(module, None)
                 super()._pre_fw_hook(module, inputs)
 
+    class _NoModules:
+        """Stands in for MemTracker's module tracker where the zero-bubble schedules run: their input-only
+        ``autograd.grad`` refuses the module hooks' gradient hooks. Without hooks only the tensors made under
+        the tracker are counted (module inputs made elsewhere are not): a lower bound."""
+
+        is_bw = False
+        parents = {"Global"}
+
+        def register_user_hooks(self, *hooks: object) -> None: ...
+
+        def clear_user_hooks(self) -> None: ...
+
+        def __enter__(self) -> _NoModules:
+            return self
+
+        def __exit__(self, *args: object) -> None: ...
+
     snaps = []
     for _ in range(
         2
     ):  # the smaller of two steps' peaks: one step's late asynchronous free is not the layout's
         tracker = StepTracker()
+        if not module_hooks:
+            tracker._mod_tracker = _NoModules()  # type: ignore[assignment]
         tracker.track_external(trainer.model, trainer.optimizer)
         with tracker:
             trainer.train_step()
-        snaps.append(
-            {str(k): int(v) for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
-        )
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        snaps.append({str(k): int(v) for k, v in peak.items()})
     snap = min(snaps, key=lambda s: s["Total"])
     peaks: list = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, snap)
@@ -152,7 +170,7 @@ def main() -> None:
         if count_comm:
             results[name]["comm"] = comm
         if mem_peak:
-            results[name]["memory_peak"] = step_peak(trainer)
+            results[name]["memory_peak"] = step_peak(trainer, module_hooks=mem_peak != "no_module_hooks")
         if save_after:
             trainer.save()
             trainer.checkpointer.wait()
