@@ -69,7 +69,8 @@ megatron engines).
 ``full`` recompute keeps each block's input (fp32 / a bytes x h / t) plus one block while it is recomputed;
 ``selective`` recomputes one block in ``recompute_every``. In flight on pipeline rank r (M micro-batches):
 gpipe M, 1f1b min(pp - r, M), interleaved / zero-bubble ``min(M v, 2 (pp - r - 1) + (v - 1) pp + 1) / v``
-(Megatron's warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0), zbv min(pp, M); with
+(Megatron's warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0), zbv min(pp, M); this
+trainer's and torchtitan's zero-bubble is played in torch's order instead (:mod:`~llmtrain.plan.zero_bubble`); with
 chunks of unequal size on a rank (an end chunk holding only the embedding or the head) the interleaved
 schedule is played op by op over the chunk sizes (:func:`in_flight_layers`). The residual stream at a stage
 boundary is held once per micro-batch in flight by this trainer and torchtitan (torch pipelining keeps a
@@ -98,6 +99,7 @@ import math
 from dataclasses import dataclass, field
 
 from llmtrain.models import TransformerArgs
+from llmtrain.plan import zero_bubble
 from llmtrain.plan.activations import (
     backward_temporary_bytes,
     block_input_bytes,
@@ -185,6 +187,7 @@ def concurrency_overlap(
     grads_pending: float = 0.0,
     after_backward: float = 0.0,
     saved_at_recompute: float | None = None,
+    retained: float = 0.0,
 ) -> float:
     """Bytes the itemised sum counts twice for phases that never meet: the loss's logits peak at the end of
     the forward and the start of the backward; a recomputed block's activations, one block's unsharded
@@ -199,15 +202,16 @@ def concurrency_overlap(
     groups' flat all-reduce buffer, which meets the gradients but no activation). ``saved_at_recompute``: what
     is still saved when the highest recomputed block runs again (selective recompute: the blocks above it have
     released theirs; the top block's backward meets all of ``saved`` but no recomputed block); default
-    ``saved``. Measured on CPU with torch's MemTracker, one process, two gloo ranks and every layout the parity
+    ``saved``. ``retained``: what is held beyond ``saved`` at a moment no loss peak and no backward meets (the
+    zero-bubble schedule between an input step and its weight step, plan/zero_bubble.py). Measured on CPU with torch's MemTracker, one process, two gloo ranks and every layout the parity
     tests run (``tests/test_plan.py``, ``tests/test_plan_measured.py``)."""
     live_grads = 0.0 if (lay.megatron_engine or lay.grad_accum > 1) else grads
     backward = transient + block_grad + bwd_temp
-    summed = saved + backward + logits + live_grads + after_backward
+    summed = saved + backward + logits + live_grads + after_backward + retained
     pending = min(grads_pending, live_grads)
     at_recompute = saved if saved_at_recompute is None else saved_at_recompute
     phases = (saved + logits, saved + block_grad + bwd_temp, at_recompute + backward,
-              backward + live_grads - pending, live_grads + after_backward)  # fmt: skip
+              backward + live_grads - pending, live_grads + after_backward, saved + retained)  # fmt: skip
     return summed - max(phases)
 
 
@@ -342,10 +346,14 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
     if lay.megatron_engine and lay.pp > 1:
         held = 1.0 if shape.head else 0.0
     saved = stored * n_flight + boundary * held
+    retained = 0.0
+    if lay.schedule == "zero_bubble" and lay.pp > 1 and shape.layers and not lay.megatron_engine:
+        played = zero_bubble.retained(args, lay, shape, stored / shape.layers, boundary)
+        if played is not None:  # torch's order played: before the worst input step, and at any other moment
+            saved, retained = played[0], max(0.0, played[1] - played[0])
     saved_at_recompute = None
-    if (
-        lay.recompute == "selective" and not lay.bf16_weights
-    ):  # this trainer: its micro-batch in backward holds less
+    # this trainer: its micro-batch in backward holds less when its highest recomputed block runs again
+    if lay.recompute == "selective" and not lay.bf16_weights:
         saved_at_recompute = stored * (n_flight - 1) + stored_at_recompute + boundary * held
     activations = saved + transient
 
@@ -382,11 +390,12 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         bwd_temp = tokens * max(temps)
     details["backward_temporaries"] = bwd_temp
     details["replica_all_reduce_buffer"] = replica["device"]
+    details["zero_bubble_weight_pending"] = retained
     cp_terms = cp_layer_bytes(args, lay)
     # gradients not yet produced while the first block's backward peaks: its own and the embedding's
     pending = grads * min(1.0, (block + embed) / (dense + expert)) if shape.layers and dense + expert else 0.0
     overlap = concurrency_overlap(lay, saved, transient, logits, grads, st["unsharded_gradients"], bwd_temp,
-                                  pending, replica["device"], saved_at_recompute)  # fmt: skip
+                                  pending, replica["device"], saved_at_recompute, retained)  # fmt: skip
     return MemoryEstimate(
         parameters=params,
         gradients=grads,
