@@ -74,8 +74,8 @@ class CommCounter:
 
 def step_peak(trainer: Trainer, module_hooks: bool = True) -> list[dict[str, int]]:
     """Every rank's peak bytes of live tensors over a training step (MemTracker, as tests/test_plan.py measures
-    one process; the smaller of two steps): ``Total`` and its split by kind at that moment (parameters,
-    gradients, optimizer states, activations, temporaries) as MemTracker labels them."""
+    one process; the smaller of two steps): ``Total`` and its split by kind at that moment as MemTracker labels
+    them (without module tracking activations and temporaries are one kind)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepTracker(MemTracker):
@@ -111,9 +111,8 @@ def step_peak(trainer: Trainer, module_hooks: bool = True) -> list[dict[str, int
         def __exit__(self, *args: object) -> None: ...
 
     snaps = []
-    for _ in range(
-        2
-    ):  # the smaller of two steps' peaks: one step's late asynchronous free is not the layout's
+    # the smaller of two steps' peaks: one step's late asynchronous free is not the layout's
+    for _ in range(2):
         tracker = StepTracker()
         if not module_hooks:
             tracker._mod_tracker = _NoModules()  # type: ignore[assignment]

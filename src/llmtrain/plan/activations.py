@@ -15,7 +15,7 @@ from llmtrain.plan.layout import MASTER_BYTES, Layout
 from llmtrain.plan.long_context import cp_layer_bytes
 
 
-def _proj_widths(args: TransformerArgs) -> tuple[float, float]:
+def proj_widths(args: TransformerArgs) -> tuple[float, float]:
     """(q + 2 kv, o): output widths of the attention projections whose results are saved."""
     heads = args.num_heads
     if getattr(args, "kv_lora_rank", 0):  # MLA: keys/values expanded per head, widths as in the FLOP count
@@ -42,7 +42,7 @@ def _mla_attention_bytes(args: TransformerArgs, lay: Layout) -> float:
 def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
     """Bytes autograd saves per token in one block without recompute (see the module docstring)."""
     h, t, a = args.hidden_size, lay.tp, lay.act_bytes
-    qkv, o = _proj_widths(args)
+    qkv, o = proj_widths(args)
     n_norms = 4 if getattr(args, "post_norms", False) else 2
     attention = (a * (qkv + o) + 4 * args.num_heads) / t
     k, hm, s, e = args.top_k, args.moe_hidden_size, args.shared_experts, args.num_experts
@@ -96,7 +96,7 @@ def sac_op_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float
     and under TP the two reduce-scatter outputs. An MoE block keeps its routed rows' expert inputs instead
     of w1 / w2 (the dispatch is recomputed)."""
     h, t, a = args.hidden_size, lay.tp, lay.act_bytes
-    qkv, o = _proj_widths(args)
+    qkv, o = proj_widths(args)
     if getattr(args, "kv_lora_rank", 0):  # MLA: the query and value widths of its FLOP count
         saved_proj = 2 * qkv / 3
     else:  # wq and wv

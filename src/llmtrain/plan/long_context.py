@@ -222,9 +222,15 @@ def loss_chunk(args: TransformerArgs, lay: Layout) -> int:
     return resolve_loss_chunk(lay.loss_chunk_tokens, args.vocab_size, lay.tp, lay.pp)
 
 
+def head_vocab(args: TransformerArgs, lay: Layout) -> float:
+    """Logit columns one head rank holds: the whole vocabulary in this trainer (gathered), the
+    vocabulary-parallel shard in the other engines."""
+    return args.vocab_size / (lay.tp if lay.bf16_weights else 1)
+
+
 def logits_bytes(args: TransformerArgs, lay: Layout, tokens: float) -> float:
     """The head rank's logits term for one micro-batch of ``tokens`` tokens (see the module docstring)."""
-    vocab = args.vocab_size / (lay.tp if lay.bf16_weights else 1)
+    vocab = head_vocab(args, lay)
     chunk = loss_chunk(args, lay)
     live = min(float(chunk), tokens) if chunk else tokens
     if lay.torchtitan:  # the fp32 loss: its peak element bytes (TORCHTITAN_LOGIT_BYTES), or compiled
@@ -247,6 +253,6 @@ def offload_seconds(dev: Device, saved_bytes: float) -> float:
 
 __all__ = [
     "cp_additive_mask_bytes", "cp_bool_mask_bytes", "cp_comm_bytes", "cp_dense_keys", "cp_layer_bytes",
-    "cp_mask_traffic", "logits_bytes", "loss_chunk", "loss_recompute_fraction", "offload_seconds", "ring_attention",
+    "cp_mask_traffic", "head_vocab", "logits_bytes", "loss_chunk", "loss_recompute_fraction", "offload_seconds", "ring_attention",
     "RingAttention", "RING_MERGE_BYTES", "ring_kv_width", "trainer_cp",
 ]  # fmt: skip

@@ -68,9 +68,10 @@ megatron engines).
 
 ``full`` recompute keeps each block's input (fp32 / a bytes x h / t) plus one block while it is recomputed;
 ``selective`` recomputes one block in ``recompute_every``. In flight on pipeline rank r (M micro-batches):
-gpipe M, 1f1b min(pp - r, M), interleaved / zero-bubble ``min(M v, 2 (pp - r - 1) + (v - 1) pp + 1) / v``
-(Megatron's warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0), zbv min(pp, M); this
-trainer's and torchtitan's zero-bubble is played in torch's order instead (:mod:`~llmtrain.plan.zero_bubble`); with
+gpipe M, 1f1b min(pp - r, M), interleaved ``min(M v, 2 (pp - r - 1) + (v - 1) pp + 1) / v`` (Megatron's
+warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0; zero-bubble too when torch's order
+is not at hand, otherwise this trainer's and torchtitan's is played in it: :mod:`~llmtrain.plan.zero_bubble`),
+zbv min(pp, M); with
 chunks of unequal size on a rank (an end chunk holding only the embedding or the head) the interleaved
 schedule is played op by op over the chunk sizes (:func:`in_flight_layers`). The residual stream at a stage
 boundary is held once per micro-batch in flight by this trainer and torchtitan (torch pipelining keeps a
@@ -126,6 +127,7 @@ from llmtrain.plan.long_context import (
     cp_additive_mask_bytes,
     cp_bool_mask_bytes,
     cp_layer_bytes,
+    head_vocab,
     logits_bytes,
 )
 from llmtrain.plan.replicas import replica_memory_bytes
@@ -203,8 +205,9 @@ def concurrency_overlap(
     is still saved when the highest recomputed block runs again (selective recompute: the blocks above it have
     released theirs; the top block's backward meets all of ``saved`` but no recomputed block); default
     ``saved``. ``retained``: what is held beyond ``saved`` at a moment no loss peak and no backward meets (the
-    zero-bubble schedule between an input step and its weight step, plan/zero_bubble.py). Measured on CPU with torch's MemTracker, one process, two gloo ranks and every layout the parity
-    tests run (``tests/test_plan.py``, ``tests/test_plan_measured.py``)."""
+    zero-bubble schedule between an input step and its weight step, plan/zero_bubble.py). Measured on CPU with
+    torch's MemTracker, one process, two gloo ranks and every layout the parity tests run
+    (``tests/test_plan.py``, ``tests/test_plan_measured.py``)."""
     live_grads = 0.0 if (lay.megatron_engine or lay.grad_accum > 1) else grads
     backward = transient + block_grad + bwd_temp
     summed = saved + backward + logits + live_grads + after_backward + retained
@@ -316,6 +319,7 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
     if shape.layers:  # the schedule played with this rank's chunk sizes (an empty chunk holds nothing)
         n_flight = in_flight_layers(lay, shape.rank, shape.chunk_sizes) / shape.layers
     offloaded = 0.0
+    stored_at_recompute: float | None = None  # this trainer's selective recompute: see below
     if lay.recompute == "offload":  # saved tensors on the host; one block's worth on the device at a time
         stored, transient, offloaded = 0.0, biggest, full_set * n_flight
     elif lay.recompute == "full":
@@ -329,12 +333,14 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
     elif lay.recompute == "selective":
         frac = 1.0 / max(lay.recompute_every, 1)
         stored, transient = frac * shape.layers * boundary + (1 - frac) * full_set, biggest
-        # blocks 0, every, 2 every, ... are recomputed; the highest of them, j, runs again after the blocks
-        # above it have released what they saved: below it j / every inputs and the other blocks whole
-        every = max(lay.recompute_every, 1)
-        j = every * ((shape.layers - 1) // every) if shape.layers else 0
-        below = (j // every) * boundary + (j - j // every) * full_set / max(shape.layers, 1) + boundary
-        stored_at_recompute = below
+        if not lay.bf16_weights:
+            # this trainer recomputes blocks 0, every, 2 every, ...; the highest of them, j, runs again after the
+            # blocks above it have released what they saved: below it j / every inputs, the other blocks whole,
+            # and its own input
+            every = max(lay.recompute_every, 1)
+            j = every * ((shape.layers - 1) // every) if shape.layers else 0
+            per_block = full_set / max(shape.layers, 1)
+            stored_at_recompute = (j // every + 1) * boundary + (j - j // every) * per_block
     else:
         stored, transient = full_set, 0.0
     # the residual stream at each stage boundary: this trainer's torch pipelining keeps a stage's output until
@@ -351,9 +357,8 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         played = zero_bubble.retained(args, lay, shape, stored / shape.layers, boundary)
         if played is not None:  # torch's order played: before the worst input step, and at any other moment
             saved, retained = played[0], max(0.0, played[1] - played[0])
-    saved_at_recompute = None
-    # this trainer: its micro-batch in backward holds less when its highest recomputed block runs again
-    if lay.recompute == "selective" and not lay.bf16_weights:
+    saved_at_recompute = None  # the micro-batch in its backward holds less when that block runs again
+    if stored_at_recompute is not None:
         saved_at_recompute = stored * (n_flight - 1) + stored_at_recompute + boundary * held
     activations = saved + transient
 
@@ -370,7 +375,7 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         # family runs the head chunk's backward right after its forward (one)
         head_flight = lay.grad_accum if lay.schedule == "gpipe" else 1
         per_element = head_flight * lay.act_bytes + (head_flight - 1) * 4
-        logits += tokens * args.vocab_size / (lay.tp if lay.bf16_weights else 1) * per_element
+        logits += tokens * head_vocab(args, lay) * per_element
     if shape.head and lay.torchtitan:
         # the final norm's input (sharded) and rstd, and its gathered output (saved whole by the head)
         logits += tokens * (lay.act_bytes * args.hidden_size * (1 + 1 / lay.tp) + 4 / lay.tp)

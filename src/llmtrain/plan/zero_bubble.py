@@ -20,8 +20,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from llmtrain.models import TransformerArgs
-from llmtrain.plan.activations import _proj_widths
+from llmtrain.plan.activations import proj_widths
 from llmtrain.plan.layout import Layout, RankShape
+from llmtrain.plan.long_context import head_vocab
 
 Action = tuple[str, int, int]  # (F | I | W | B: a whole backward, global stage index, micro-batch)
 
@@ -54,7 +55,7 @@ def intermediate_bytes(args: TransformerArgs, lay: Layout, moe: bool) -> float:
     the MLP's (dense: w1, w3, w2; MoE: router scores, the routed rows' w1, w3, w2, the shared experts) and the two
     norms, at the activation dtype, per TP shard."""
     h, a = args.hidden_size, lay.act_bytes
-    qkv, _ = _proj_widths(args)
+    qkv, _ = proj_widths(args)
     if moe:
         k, hm, s = args.top_k, args.moe_hidden_size, args.shared_experts
         mlp = args.num_experts + k * (2 * hm + h) * lay.expert_rows_share + (2 * s * hm + h if s else 0.0)
@@ -79,9 +80,8 @@ def retained(
     inter = tokens * (
         (1 - moe_frac) * intermediate_bytes(args, lay, False) + moe_frac * intermediate_bytes(args, lay, True)
     )
-    vocab = args.vocab_size / (lay.tp if lay.bf16_weights else 1)
     head_stage = lay.pp * lay.chunks_per_rank - 1
-    head = tokens * (vocab * (2 * lay.act_bytes + 4) + lay.act_bytes * args.hidden_size)
+    head = tokens * (head_vocab(args, lay) * (2 * lay.act_bytes + 4) + lay.act_bytes * args.hidden_size)
     size = {shape.rank + i * lay.pp: n for i, n in enumerate(shape.chunk_sizes)}
     held: dict[tuple[int, int], float] = {}
     before_input, other = 0.0, 0.0
