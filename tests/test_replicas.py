@@ -248,6 +248,56 @@ def test_lighthouse_loss_is_a_clean_stop_and_the_rerun_resumes(tiny_corpus, tmp_
     assert ends[0]["step"] == ends[1]["step"] == steps and ends[0]["state_sha256"] == ends[1]["state_sha256"]
 
 
+@pytest.mark.slow  # one 2-rank group alone under torchrun: ~20 s
+def test_a_group_alone_at_the_start_leaves_its_wait_as_one(tiny_corpus, tmp_path):
+    """A fresh job waits up to ``quorum_timeout_s`` for all its groups at the first quorum. Group 1 (2 ranks,
+    ZeRO-3) starts alone, its rank 1 reaching that wait 3 s after rank 0 (tests/distributed/late_rank.py): the
+    ranks' clocks say different things, but torchft's quorum needs every rank of the group. Before the ranks agreed
+    (ft/replicas.py ``_group_all``), rank 0 left the wait while rank 1 took one more quorum, which waited for
+    rank 0 until the timeout: exit 76 ("no quorum") on one rank, a closed connection on the other (CI, session
+    12). Now the group leaves together, trains alone (its peers' slices ``samples_skipped``) and exits 0."""
+    import socket
+    import time
+
+    from test_launch_cluster import free_port
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    cmd = [str(binary), "--bind", f"[::]:{port}", "--min_replicas", "1", "--join_timeout_ms", "1000",
+           "--heartbeat_timeout_ms", "1000"]  # fmt: skip
+    lh = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out, steps = tmp_path / "alone", 3
+    d = cfg_dict(tiny_corpus, out, train={"max_steps": steps}, parallel={"zero_stage": 3},
+                 checkpoint={"save_steps": 0, "save_at_end": False},
+                 fault_tolerance={**FT, "replicas": 2, "quorum_timeout_s": 4, "enabled": True})  # fmt: skip
+    cfg = write_cfg(tmp_path / "alone.yaml", d)
+    env = {**ENV, "LLMTRAIN_REPLICA_ID": "1", "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
+           "LATE_RANK_SECONDS": "3"}  # fmt: skip
+    late = Path(__file__).parent / "distributed" / "late_rank.py"
+    try:
+        deadline = time.time() + 30
+        while socket.socket().connect_ex(("localhost", port)) != 0:
+            assert time.time() < deadline and lh.poll() is None, "the lighthouse did not start"
+            time.sleep(0.2)
+        p = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+             str(free_port()), str(late), "train", str(cfg)],
+            capture_output=True, text=True, timeout=240, env=env,
+        )  # fmt: skip
+    finally:
+        lh.kill()
+        lh.wait()
+    assert p.returncode == 0, p.stderr[-4000:]
+    ev = rows(out / "events.jsonl")
+    (quorum,) = [e for e in ev if e["event"] == "quorum"]
+    assert quorum["members"] == [1] and quorum["participants"] == 1 and quorum["step"] == 0
+    assert [e["step"] for e in ev if e["event"] == "samples_skipped"] == list(range(1, steps + 1))
+    (end,) = [e for e in ev if e["event"] == "run_end"]
+    assert end["step"] == steps
+
+
 # --------------------------------------------------------------------------- the run's files, the pacing
 def test_metrics_writers_share_the_log_and_a_rejoining_group_cuts_nothing(tmp_path):
     """Two groups' loggers on one run directory (train/metrics.py): each row by the writer of its step, one

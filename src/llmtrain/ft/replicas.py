@@ -84,6 +84,18 @@ def _store(group_rank: int, group_world: int) -> tuple[str, int]:
     return box[0]
 
 
+def _group_all(flag: bool, device: torch.device) -> bool:
+    """``flag`` on every rank of this group (the default process group is the group's ranks). Each rank of a
+    group must take the same quorums (torchft's quorum waits for all of them), so a decision made on a rank's own
+    clock is first agreed on: one rank leaving a wait loop while another takes one more quorum stalls that rank
+    until ``quorum_timeout_s`` (seen as LighthouseLost under load, when the ranks' clocks started seconds apart)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def _group_total(size: int, seconds: float, device: torch.device) -> tuple[int, float]:
     """The heal of the whole group: ``size`` summed over the group's ranks (each received its own shards), the
     slowest rank's ``seconds`` (the default process group is the group's ranks)."""
@@ -171,7 +183,9 @@ class ReplicaSet:
         self._quorum()
         if self.members is None and trainer.step == 0:  # a fresh job starts with all its groups (or the
             deadline = t0 + trainer.cfg.fault_tolerance.quorum_timeout_s  # ones there by the quorum timeout)
-            while self.manager.num_participants() < self.layout.replicas and time.time() < deadline:
+            while self.manager.num_participants() < self.layout.replicas and _group_all(
+                time.time() < deadline, trainer.device
+            ):
                 time.sleep(0.1)
                 self._quorum()
         self.participants = max(self.manager.num_participants(), 1)
