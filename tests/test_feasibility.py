@@ -52,6 +52,8 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "pp_single_stage": (2, [*PP2, "parallel.schedule=gpipe", "parallel.virtual_stages=2"]),
     "pp_zbv_stages": (2, [*PP2, "parallel.schedule=zbv"]),
     "pp_1f1b_microbatches": (2, [*PP2, "train.micro_batch_size=8"]),
+    "pp_dualpipev_microbatches": (2, [*PP2, "parallel.schedule=dualpipev", "parallel.virtual_stages=2",
+                                      "train.micro_batch_size=4"]),
     "pp_rounds": (2, [*PP2, "parallel.schedule=zero_bubble", "parallel.virtual_stages=2", "parallel.micro_batch_num=5"]),
     "pp_batch_split": (4, [*PP2, "parallel.micro_batch_num=3"]),
     "pp_even_split": (2, [*PP2, "model.num_layers=6", "parallel.schedule=zbv", "parallel.virtual_stages=2"]),
@@ -116,7 +118,7 @@ def check_cli(capsys, path: Path, overrides: list[str], world: int) -> tuple[int
 
 def test_every_fatal_rule_has_a_case():
     assert set(CASES) == set(FATAL_RULES)
-    assert len(FATAL_RULES) == 25 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
+    assert len(FATAL_RULES) == 26 and {"tp_vocab", "tp_compile", "pp_bubble"} <= set(RULES) - set(FATAL_RULES)
 
 
 # Degrees out of range are refused as the file is read (config/ranges.py), before any layout rule: the rule

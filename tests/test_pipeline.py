@@ -45,6 +45,7 @@ def variants(world: int, ckpt_dir: str) -> dict[str, dict]:
             "pp2_interleaved_1f1b": {"parallel": {**PP, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
             "pp2_zero_bubble": {"parallel": {**PP, "schedule": "zero_bubble", "virtual_stages": 2}},
             "pp2_zbv": {"parallel": {**PP, "schedule": "zbv", "virtual_stages": 2}, "validate": True},
+            "pp2_dualpipev": {"parallel": {**PP, "schedule": "dualpipev", "virtual_stages": 2}},
             "pp2_uneven_1f1b": {"parallel": {**PP, "pipeline_layers": [1, 3]}},
             # train.compile under PP: compiled blocks on each stage, the compiled loss on the last one
             "pp2_1f1b_compile": {"parallel": {**PP, "schedule": "1f1b"}, "train": {"compile": True}},
@@ -152,6 +153,12 @@ def _cfg(tiny_corpus: str, num_layers: int = 4, micro_batch_size: int = 2, **par
         ({"micro_batch_num": 1, "micro_batch_size": 8}, 2, "1f1b needs 1 pipeline micro-batches"),
         ({"schedule": "gpipe", "virtual_stages": 2}, 2, "runs one stage per rank"),
         ({"schedule": "zbv"}, 2, "exactly 2 stage chunks per rank"),
+        ({"schedule": "dualpipev"}, 2, "dualpipev places exactly 2 stage chunks per rank"),
+        (
+            {"schedule": "dualpipev", "virtual_stages": 2, "micro_batch_num": 2, "micro_batch_size": 4},
+            2,
+            "dualpipev needs 2 pipeline micro-batches (parallel.micro_batch_num",
+        ),
         (
             {"schedule": "zero_bubble", "virtual_stages": 2, "micro_batch_num": 5},
             2,

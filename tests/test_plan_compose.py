@@ -99,10 +99,11 @@ def test_expert_bytes_by_hand_megatron(name):
     rows = SEQ / 2 * K * H  # T / tp tokens x top-k copies x h, both layouts
     assert mem.details["moe_dispatch_buffers"] == 2 * rows * 2
     # norms 2 x (input + output bf16 + rstd), q k v o + logsumexp, router (fp32 scores, index/weight bytes),
-    # dispatched copies + expert output (2 a k h), experts' hidden states (3 a k H), all over tp = 2
+    # per routed row the dispatched copy (a h), the experts' hidden states (3 a H) and the fp32 routing weight
+    # the activation is scaled by (Megatron-Core >= 0.13 keeps no expert output for the combine), over tp = 2
     per_token = (2 * (2 * 2 * H + 4) + 2 * ((4 + 2 * 2) * 16 + 64) + 4 * 4 + 4 * E + 12 * K
-                 + 2 * K * (2 * H + 3 * HM)) / 2  # fmt: skip
-    assert per_token == 936
+                 + K * (2 * H + 3 * 2 * HM + 4)) / 2  # fmt: skip
+    assert per_token == 812
     assert mem.details["activations_per_moe_layer"] == SEQ * per_token
 
 

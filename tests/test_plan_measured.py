@@ -10,7 +10,7 @@ its worst rank) is compared with the largest rank's peak: within 10% for every l
 
 Model sizes are the debug flavors at 256 tokens, micro-batch 2, 4 micro-batches per step in all (so that
 attention, the logits and the optimizer states all weigh in); fp32 as the parity tests run, one bf16 run.
-The zero-bubble schedules (``zero_bubble``, ``zbv``) are measured without MemTracker's module tracking (its
+The zero-bubble schedules (``zero_bubble``, ``zbv``, ``dualpipev``) are measured without MemTracker's module tracking (its
 hooks turn their input-only ``autograd.grad`` into an error), which counts only tensors made under the tracker:
 a lower bound. ``KNOWN_MISSES`` would list a layout still beyond 10%, asserted to stay beyond it (none now:
 the interleaved zero-bubble schedule was 31% under until plan/zero_bubble.py played torch's order). The one-process and two-rank checks by hand (ZeRO-3, ZeRO-2, TP 2,
@@ -42,6 +42,8 @@ LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the ba
         "tp2": {"parallel": {"tensor_parallel": 2}},
         "pp2_1f1b": {"parallel": PP},
         "pp2_gpipe": {"parallel": {**PP, "schedule": "gpipe"}},
+        "pp2_dualpipev": {"model": {"num_layers": 4},
+                          "parallel": {**PP, "schedule": "dualpipev", "virtual_stages": 2}},
         "cp2": {"parallel": {"context_parallel": 2}},
         "zero3_dp2_selective": {"parallel": {"zero_stage": 3}, "recompute": {"mode": "selective"}},
     },
@@ -71,7 +73,7 @@ LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the ba
 }  # fmt: skip
 
 
-NO_MODULE_HOOKS = {"pp2_zero_bubble", "pp2_zbv"}
+NO_MODULE_HOOKS = {"pp2_zero_bubble", "pp2_zbv", "pp2_dualpipev"}
 KNOWN_MISSES: dict[str, tuple[float, str]] = {}  # name -> (bound on |planned / measured - 1|, why)
 
 

@@ -74,7 +74,8 @@ RULES: dict[str, Rule] = {
     "interleave_without_pp": Rule(_W, "advice", _P + "micro_batch_interleave"),  # interleave, pp 1
     "pp_layers_min": Rule(_F, "split", "model.num_layers"),                # num_layers < pp x virtual_stages
     "pp_single_stage": Rule(_F, "schedule", _P + "virtual_stages"),        # gpipe / 1f1b with v != 1
-    "pp_zbv_stages": Rule(_F, "schedule", _P + "virtual_stages"),          # zbv with v != 2
+    "pp_zbv_stages": Rule(_F, "schedule", _P + "virtual_stages"),          # zbv / dualpipev with v != 2
+    "pp_dualpipev_microbatches": Rule(_F, "schedule", _P + "micro_batch_num"),  # dualpipev, mb < 2 pp
     "pp_1f1b_microbatches": Rule(_F, "schedule", _P + "micro_batch_num"),  # 1f1b, pipeline micro-batches < pp
     "pp_rounds": Rule(_F, "schedule", _P + "micro_batch_num"),             # interleaved: not whole rounds
     "pp_batch_split": Rule(_F, "schedule", "train.batch_size"),            # batch % (dp x micro-batches)
@@ -92,7 +93,8 @@ RULES: dict[str, Rule] = {
 FATAL_RULES = tuple(k for k, r in RULES.items() if r.fatal)
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage chunk per rank; the others are multi-stage
-ZERO_BUBBLE_SCHEDULES = ("zero_bubble", "zbv")
+ZERO_BUBBLE_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stage chunks per rank in a V shape: rank r holds r and 2 pp - 1 - r
 
 
 @dataclass(frozen=True)
@@ -375,11 +377,18 @@ def _pipeline(out: _Found, cfg: Config, m: ModelShape | None, pp: int, dp: int) 
             f"parallel.schedule {name} runs one stage per rank, but parallel.virtual_stages is {v}; use "
             "virtual_stages: 1, or schedule interleaved_1f1b / zero_bubble for virtual stages.",
         )
-    if name == "zbv" and v != 2:
+    if name in V_SCHEDULES and v != 2:
         out.add(
             "pp_zbv_stages",
-            "parallel.schedule zbv places exactly 2 stage chunks per rank in a V shape; set "
+            f"parallel.schedule {name} places exactly 2 stage chunks per rank in a V shape; set "
             f"parallel.virtual_stages: 2 (got {v}).",
+        )
+    if name == "dualpipev" and n_mb < 2 * pp:
+        out.add(
+            "pp_dualpipev_microbatches",
+            f"parallel.schedule dualpipev needs {n_mb} pipeline micro-batches (parallel.micro_batch_num, or the "
+            f"gradient-accumulation steps when it is 1) >= its {2 * pp} stages (2 x pipeline_parallel {pp}): "
+            f"torch's DualPipeV feeds one per stage before the first backward. Set micro_batch_num >= {2 * pp}.",
         )
     if name == "1f1b" and n_mb < pp:
         out.add(

@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-overlap", action="store_true",
                         help="TP collectives overlap with the GEMMs (Megatron --tp-comm-overlap; torch async TP: "
                         "the forward's only)")  # fmt: skip
+    parser.add_argument("--ep-overlap", action="store_true",
+                        help="engines megatron / nemo: each micro-batch's expert all-to-all overlaps another "
+                        "micro-batch's compute (DeepSeek's DualPipe; Megatron-LM --overlap-moe-expert-parallel-comm)")  # fmt: skip
+    parser.add_argument("--act-fp8-input-store", action="store_true",
+                        help="engines megatron / nemo with train.fp8: the MLP activation's input kept in FP8 "
+                        "(Megatron --activation-func-fp8-input-store; DeepSeek-V3's SwiGLU inputs); memory only")  # fmt: skip
     parser.add_argument("--compiled-loss", action="store_true",
                         help="engine torchtitan: its cross-entropy compiled (torchtitan from 2025 under "
                         "training.compile; its December 2024 benchmarks ran it eager)")  # fmt: skip
@@ -69,6 +75,8 @@ def layout_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "engine": args.engine,
         "tp_overlap": args.tp_overlap,
+        "ep_overlap": args.ep_overlap,
+        "act_fp8_input_store": args.act_fp8_input_store,
         "recompute_modules": tuple(m for m in args.recompute_modules.split(",") if m),
         "mtp_layers": args.mtp_layers,
         "grad_dtype": args.grad_dtype,

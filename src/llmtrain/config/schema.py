@@ -194,8 +194,9 @@ class ParallelConfig:
     """Pipeline micro-batches per step."""
     micro_batch_interleave: bool = False
     """Seed key; accepted and mapped to the interleaved pipeline schedule when pipeline_parallel > 1."""
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"] = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv."""
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"] = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev (DeepSeek's DualPipeV:
+    the V shape of zbv, each micro-batch pair's forward and backward interleaved)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedules)."""
     pipeline_layers: list[int] | None = None

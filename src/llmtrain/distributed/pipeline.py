@@ -66,6 +66,7 @@ from llmtrain.distributed.parallel_dims import ParallelDims
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.feasibility import (
     SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
     pipeline_microbatches,
     pipeline_split_problems,
     raise_fatal,
@@ -82,6 +83,7 @@ SCHEDULES: dict[str, str] = {
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
     "zero_bubble": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 SINGLE_STAGE = SINGLE_STAGE_SCHEDULES  # one chunk per rank; the others are multi-stage schedules
 # schedule_name and pipeline_microbatches (pure arithmetic the rules share) live in llmtrain.feasibility and are
@@ -101,7 +103,7 @@ def layers_per_stage(num_layers: int, p: ParallelConfig) -> list[int]:
 def stage_ids(pp_rank: int, p: ParallelConfig) -> list[int]:
     """The stage chunks pipeline rank ``pp_rank`` holds, in execution order of its schedule."""
     pp, v = p.pipeline_parallel, p.virtual_stages
-    if schedule_name(p) == "zbv":
+    if schedule_name(p) in V_SCHEDULES:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(v)]
 

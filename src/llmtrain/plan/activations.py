@@ -10,6 +10,7 @@ over unequal chunks ``in_flight_layers``), and the gradients a block's backward 
 
 from __future__ import annotations
 
+from llmtrain.feasibility import V_SCHEDULES
 from llmtrain.models import TransformerArgs
 from llmtrain.plan.layout import MASTER_BYTES, Layout
 from llmtrain.plan.long_context import cp_layer_bytes
@@ -55,18 +56,8 @@ def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False
         ffn = 4 * e + 12 * k + experts + (4 * a * s * hm / t if s else 0.0)
         return norms + attention + ffn
     mla = getattr(args, "kv_lora_rank", 0) > 0
-    if lay.megatron_engine and "mla_up_proj" in lay.recompute_modules and mla:
-        # Megatron's mla_up_proj recompute: the up-projections' and RoPE's outputs (core attention's q, k, v)
-        # are dropped once core attention has run and recomputed before its backward, from the saved latents
-        # (the normed q and kv latents and the rotary key, whole on every TP rank)
-        latents = args.q_lora_rank + args.kv_lora_rank + args.qk_rope_head_dim
-        attention = (a * o + 4 * args.num_heads) / t + a * latents
     if lay.bf16_weights:
-        norms = n_norms * (2 * a * h + 4) / t
-        if not moe:
-            return norms + attention + 3 * a * args.intermediate_size / t
-        ffn = (4 * e + 12 * k + a * k * (2 * h + 3 * hm) + 3 * a * s * hm) / t
-        return norms + attention + ffn
+        return _megatron_layer_bytes(args, lay, moe)
     norms = n_norms * (8 * h + 4) / t
     if mla:
         attention = _mla_attention_bytes(args, lay)
@@ -87,6 +78,39 @@ def layer_activation_bytes(args: TransformerArgs, lay: Layout, moe: bool = False
     experts = 2 * a * k * h * share + 4 * a * k * hm * lay.expert_rows_share / lay.etp + a * k * h * share
     shared = (casts * a * h + 4 * a * s * hm / t) if s else 0.0
     return norms + gathered_attn + attention + router + experts + shared
+
+
+def _megatron_layer_bytes(args: TransformerArgs, lay: Layout, moe: bool) -> float:
+    """:func:`layer_activation_bytes` in the Megatron-style engines. Each norm keeps its input and its output
+    (the next linear layer's input); attention its projections' outputs, the output projection's input and
+    the logsumexp; an MLP its up projection's output (the activation's input) and the down projection's input;
+    a MoE block its router state and, per routed row, the dispatched input, its MLP's two tensors and the
+    row's routing weight (Megatron-Core from v0.13 scales the activation by it, so the expert's output is not
+    kept for the combine). A linear layer's input is kept as its FP8 copy under ``train.fp8`` (Transformer
+    Engine saves the quantized input for the backward GEMMs; DeepSeek-V3 caches the same in FP8), and the
+    activation's input too with ``act_fp8_input_store`` (Megatron's ``--activation-func-fp8-input-store``;
+    DeepSeek-V3's SwiGLU inputs). ``recompute_modules``: ``layernorm`` drops the norm outputs, ``moe_act`` the
+    experts' activation output, ``mla_up_proj`` the up-projections' and RoPE's outputs (core attention's q, k,
+    v are recomputed from the latents, kept whole on every TP rank: the normed q and kv latents and the rotary
+    key)."""
+    h, t, a = args.hidden_size, lay.tp, lay.act_bytes
+    lin = 1 if lay.fp8 != "none" else a  # bytes of a saved linear-layer input
+    act_in = 1 if lay.act_fp8_input_store else a  # bytes of the saved activation (SwiGLU) input
+    mods = lay.recompute_modules
+    qkv, o = proj_widths(args)
+    n_norms = 4 if getattr(args, "post_norms", False) else 2
+    norms = n_norms * (a * h + (0 if "layernorm" in mods else lin * h) + 4) / t
+    attention = (a * qkv + lin * o + 4 * args.num_heads) / t
+    if "mla_up_proj" in mods and args.kv_lora_rank > 0:
+        latents = lin * (args.q_lora_rank + args.kv_lora_rank) + a * args.qk_rope_head_dim
+        attention = (lin * o + 4 * args.num_heads) / t + latents
+    if not moe:
+        return norms + attention + (2 * act_in + lin) * args.intermediate_size / t
+    k, hm, s, e = args.top_k, args.moe_hidden_size, args.shared_experts, args.num_experts
+    act_out = 0 if "moe_act" in mods else lin
+    rows = k * (lin * h + (2 * act_in + act_out) * hm + 4)
+    ffn = (4 * e + 12 * k + rows + (2 * act_in + lin) * s * hm) / t
+    return norms + attention + ffn
 
 
 def sac_op_bytes(args: TransformerArgs, lay: Layout, moe: bool = False) -> float:
@@ -132,6 +156,8 @@ def in_flight(lay: Layout, rank: int) -> float:
         return float(max(1, min(p - rank, m)))
     if lay.schedule == "zbv":
         return float(min(p, m))
+    if lay.schedule == "dualpipev":  # 2 pp + 1 chunks in flight, DeepSeek's "PP + 1" (its PP counts chunks)
+        return min(p + 0.5, m)
     v = lay.chunks_per_rank
     return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
 
@@ -147,7 +173,7 @@ def in_flight_layers(lay: Layout, rank: int, chunk_sizes: tuple[int, ...]) -> fl
     405B) the peak is where the held chunks are largest, not the count times an average."""
     whole = in_flight(lay, rank) * sum(chunk_sizes)
     m, p, v = lay.grad_accum, lay.pp, lay.chunks_per_rank
-    if v == 1 or lay.schedule == "zbv" or len(set(chunk_sizes)) <= 1 or m % p:
+    if v == 1 or lay.schedule in V_SCHEDULES or len(set(chunk_sizes)) <= 1 or m % p:
         return whole
     total, group = m * v, p
     warm = min(total, 2 * (p - rank - 1) + (v - 1) * group)

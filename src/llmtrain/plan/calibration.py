@@ -31,6 +31,10 @@ class Efficiency:
     """(c_h, c_i) with fused kernels (torch.compile, Transformer Engine, MindSpore graph mode)."""
     moe_permute: float = 6.0
     """Element-wise passes over the ``top_k x h`` routed copies of a token (gather, scale, scatter-add)."""
+    ep_overlap_sms: float = 20 / 132
+    """With ``ep_overlap``: the share of the GPU's SMs the all-to-all kernels hold while the compute runs beside
+    them: 20 of the H800's 132 (DeepSeek-V3 technical report, sec. 3.2.2, "only 20 SMs are sufficient to fully
+    utilize the bandwidths of IB and NVLink"; DeepEP's default ``Buffer.num_sms`` is 20). Published, not fitted."""
     latency_s: float = 20e-6
     """Fixed cost of one collective or send."""
     gemm: GemmModel = field(default_factory=GemmModel)

@@ -172,6 +172,8 @@ def print_plan(
     as_json: bool = False,
     engine: str = "llmtrain",
     tp_overlap: bool = False,
+    ep_overlap: bool = False,
+    act_fp8_input_store: bool = False,
     failures: float | None = None,
     recompute_modules: tuple[str, ...] = (),
     mtp_layers: int = 0,
@@ -182,7 +184,7 @@ def print_plan(
     """Plan ``config`` (with ``overrides``) on ``cluster_spec`` (None: from the config) and print the table, or
     one JSON object with ``as_json``; ``search_layouts`` adds the ``top`` ranked layouts, ``claims`` the verdicts
     on stated figures (``KEY=VALUE``, KEY one of CLAIM_KEYS). ``engine`` (llmtrain: this trainer; megatron:
-    Megatron-style implementations), ``tp_overlap``, ``grad_dtype``, ``attention`` and ``loss_compiled`` say
+    Megatron-style implementations), ``tp_overlap``, ``ep_overlap``, ``act_fp8_input_store``, ``grad_dtype``, ``attention`` and ``loss_compiled`` say
     how the layout is executed (plan/layout.py)."""
     cfg, _notes = load_config(config, overrides)
     cluster = resolve_cluster(cfg, cluster_spec, catalog)
@@ -193,6 +195,8 @@ def print_plan(
         offload,
         engine=engine,
         tp_overlap=tp_overlap,
+        ep_overlap=ep_overlap,
+        act_fp8_input_store=act_fp8_input_store,
         recompute_modules=recompute_modules,
         mtp_layers=mtp_layers,
         grad_dtype=grad_dtype,

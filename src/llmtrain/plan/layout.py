@@ -55,11 +55,12 @@ from typing import Any, cast
 from llmtrain.config.schema import ParallelConfig
 from llmtrain.distributed.grad_sync import sync_mode
 from llmtrain.errors import ConfigError
+from llmtrain.feasibility import V_SCHEDULES
 from llmtrain.models import TransformerArgs
 from llmtrain.moe_rules import expert_tp
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 RECOMPUTE_MODES = ("none", "selective", "full", "offload")
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -102,6 +103,14 @@ class Layout:
     """``parallel.reduce_grads``: when data-parallel gradients are reduced (distributed/grad_sync.py)."""
     engine: str = "llmtrain"
     tp_overlap: bool = False
+    ep_overlap: bool = False
+    act_fp8_input_store: bool = False
+    """The Megatron-style engines under ``train.fp8``: the MLP activation's (SwiGLU's) input kept in FP8 for its
+    backward (``--act-fp8-input-store``; Megatron's ``--activation-func-fp8-input-store``, DeepSeek-V3's
+    "inputs of the SwiGLU operator in MoE ... stored in FP8"). Memory only."""
+    """The Megatron-style engines: each micro-batch's expert-parallel all-to-all runs while another micro-batch
+    computes (``--ep-overlap``: DeepSeek's DualPipe, Megatron-LM's ``--overlap-moe-expert-parallel-comm``), on
+    the SMs the communication kernels take (``Efficiency.ep_overlap_sms``): plan/timing.py. Time only."""
     fp8: str = "none"
     """``train.fp8``: the linear layers' GEMMs at the device's FP8 peak (distributed/float8.py)."""
     loss_chunk_tokens: int | None = None
@@ -170,6 +179,22 @@ class Layout:
         if bad := [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]:
             raise ConfigError(
                 f"--recompute-modules {','.join(bad)}: each must be one of {', '.join(RECOMPUTE_MODULES)}."
+            )
+        if self.ep_overlap and not (
+            self.megatron_engine and self.ep > 1 and self.pp > 1 and self.schedule != "gpipe"
+        ):
+            raise ConfigError(
+                "--ep-overlap hides each micro-batch's expert-parallel all-to-all behind another micro-batch's "
+                "forward or backward, as DualPipe and Megatron-LM's --overlap-moe-expert-parallel-comm do: it "
+                f"needs --engine megatron or nemo (got {self.engine}), expert_parallel > 1 (got {self.ep}) and a "
+                f"pipeline schedule that pairs forwards with backwards (pipeline_parallel {self.pp}, schedule "
+                f"{self.schedule}; any but gpipe). This trainer runs the all-to-all in line: drop --ep-overlap."
+            )
+        if self.act_fp8_input_store and not (self.megatron_engine and self.fp8 != "none"):
+            raise ConfigError(
+                "--act-fp8-input-store keeps the MLP activation's input in FP8 (Megatron's "
+                f"--activation-func-fp8-input-store): it needs --engine megatron or nemo (got {self.engine}) and "
+                f"train.fp8 (got {self.fp8}). Drop it, or plan with both."
             )
         if self.replicas < 1:
             raise ConfigError(f"fault_tolerance.replicas {self.replicas} must be 1 or more.")
@@ -269,10 +294,10 @@ class Layout:
 
     @property
     def chunks_per_rank(self) -> int:
-        """Stage chunks one pipeline rank runs (virtual stages of the multi-chunk schedules; zbv: 2)."""
+        """Stage chunks one pipeline rank runs (virtual stages of the multi-chunk schedules; zbv, dualpipev: 2)."""
         if self.pp == 1 or self.schedule not in MULTI_CHUNK_SCHEDULES:
             return 1
-        return 2 if self.schedule == "zbv" else max(self.virtual_stages, 1)
+        return 2 if self.schedule in V_SCHEDULES else max(self.virtual_stages, 1)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -315,6 +340,10 @@ class Layout:
             parts.append(f"grad-{self.grad_dtype}")
         if self.tp_overlap and self.tp > 1:
             parts.append("tp-overlap")
+        if self.ep_overlap:
+            parts.append("ep-overlap")
+        if self.act_fp8_input_store:
+            parts.append("act-fp8-store")
         if self.loss_compiled:
             parts.append("compiled-loss")
         if self.fp8 != "none":
@@ -342,7 +371,7 @@ def rank_chunks(lay: Layout, rank: int) -> list[int]:
     """The stage chunks pipeline rank ``rank`` runs (distributed/pipeline.stage_ids)."""
     if lay.chunks_per_rank == 1:
         return [rank]
-    if lay.schedule == "zbv":
+    if lay.schedule in V_SCHEDULES:
         return [rank, 2 * lay.pp - 1 - rank]
     return [rank + i * lay.pp for i in range(lay.chunks_per_rank)]
 

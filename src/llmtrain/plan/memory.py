@@ -71,7 +71,8 @@ megatron engines).
 gpipe M, 1f1b min(pp - r, M), interleaved ``min(M v, 2 (pp - r - 1) + (v - 1) pp + 1) / v`` (Megatron's
 warm-up, = Korthikanti et al. 2022's pp (1 + (pp - 1) / (pp v)) on rank 0; zero-bubble too when torch's order
 is not at hand, otherwise this trainer's and torchtitan's is played in it: :mod:`~llmtrain.plan.zero_bubble`),
-zbv min(pp, M); with
+zbv min(pp, M), dualpipev min(pp + 1/2, M) (torch's DualPipeV order holds 2 pp + 1 chunks: DeepSeek's
+"PP + 1" over its 2 pp stages); with
 chunks of unequal size on a rank (an end chunk holding only the embedding or the head) the interleaved
 schedule is played op by op over the chunk sizes (:func:`in_flight_layers`). The residual stream at a stage
 boundary is held once per micro-batch in flight by this trainer and torchtitan (torch pipelining keeps a

@@ -90,6 +90,8 @@ def layout_from_config(
     vocab_size: int | None = None,
     engine: str = "llmtrain",
     tp_overlap: bool = False,
+    ep_overlap: bool = False,
+    act_fp8_input_store: bool = False,
     recompute_modules: tuple[str, ...] = (),
     mtp_layers: int = 0,
     attention: str = "flash",
@@ -98,7 +100,7 @@ def layout_from_config(
 ) -> tuple[Layout, TransformerArgs, int]:
     """(layout, model args, tokens per step) of the run config on ``world_size`` devices; ConfigError for a
     feasibility ``split`` rule (the model does not divide over the degrees, see the module docstring).
-    ``engine`` / ``tp_overlap`` / ``recompute_modules`` / ``mtp_layers`` / ``attention`` / ``grad_dtype`` /
+    ``engine`` / ``tp_overlap`` / ``ep_overlap`` / ``act_fp8_input_store`` / ``recompute_modules`` / ``mtp_layers`` / ``attention`` / ``grad_dtype`` /
     ``loss_compiled``: how
     the layout is executed and what else the publishing engine trains (:class:`~llmtrain.plan.layout.Layout`)."""
     replicas = cfg.fault_tolerance.replicas if cfg.fault_tolerance.enabled else 1
@@ -118,6 +120,7 @@ def layout_from_config(
         pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers is not None else None,
         recompute=recompute, recompute_every=max(cfg.recompute.every, 1), offload=offload,
         precision=cfg.train.precision, reduce_grads=p.reduce_grads, engine=engine, tp_overlap=tp_overlap,
+        ep_overlap=ep_overlap, act_fp8_input_store=act_fp8_input_store,
         fp8=cfg.train.fp8, loss_chunk_tokens=cfg.train.loss_chunk_tokens, document_mask=cfg.model.document_mask,
         recompute_modules=tuple(recompute_modules), mtp_layers=mtp_layers, replicas=replicas, attention=attention,
         grad_dtype=grad_dtype, replica_policy=cfg.fault_tolerance.batch_policy, loss_compiled=loss_compiled,

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmtrain.feasibility import ZERO_BUBBLE_SCHEDULES
 from llmtrain.models import TransformerArgs
 from llmtrain.plan.activations import layer_bytes
 from llmtrain.plan.calibration import Efficiency
@@ -259,6 +260,11 @@ def _rank_time(
         )
         again = 1 if "moe" in lay.recompute_modules else 0  # the recomputed MoE layer dispatches again
         ep = shape.moe_layers * one_way * (2 + max(rc, again))
+        if (
+            lay.ep_overlap
+        ):  # beside another micro-batch's compute, which runs on the SMs the all-to-all leaves
+            compute /= 1 - eff.ep_overlap_sms
+            ep = max(0.0, ep - compute)
 
     # context parallel: the trainer all-gathers K/V (exposed); a ring hides its exchange behind attention
     cp_t = 0.0
@@ -346,7 +352,7 @@ def estimate_step_time(
     # pipeline: the slowest rank sets the pace; the others' chunk times fill and drain the pipeline
     bubble = 0.0
     if lay.pp > 1:
-        factor = 1.0 / 3 if lay.schedule in ("zero_bubble", "zbv") else 1.0
+        factor = 1.0 / 3 if lay.schedule in ZERO_BUBBLE_SCHEDULES else 1.0
         bubble = factor * sum(tr.total / tr.chunks for r, tr in enumerate(times) if r != slow)
     p2p = 0.0
     if lay.pp > 1:
