@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "training.compile; its December 2024 benchmarks ran it eager)")  # fmt: skip
     parser.add_argument("--recompute-modules", default="", metavar="MODULE[,MODULE]",
                         help="Megatron-style module recompute (recompute_modules under selective granularity): "
-                        "core_attn, mla_up_proj, mlp, moe, moe_act, layernorm; time only (docs/planner.md)")  # fmt: skip
+                        "core_attn, mla_up_proj, mlp, moe, moe_act, layernorm (docs/planner.md)")  # fmt: skip
     parser.add_argument("--mtp-layers", type=int_at_least(0), default=0,
                         help="multi-token-prediction layers the publishing engine trains on the last stage "
                         "(Megatron mtp_num_layers)")  # fmt: skip

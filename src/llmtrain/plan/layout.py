@@ -120,9 +120,10 @@ class Layout:
     recompute_modules: tuple[str, ...] = ()
     """Megatron-style module recompute (``--recompute-modules``; Megatron's ``recompute_modules`` under
     ``recompute_granularity: selective``): the forward of each named part of every block runs again in
-    backward, one of :data:`RECOMPUTE_MODULES`. Time (``plan/timing.py``); memory for ``mla_up_proj`` in the
-    Megatron-style engines (core attention's q, k, v dropped, the latents kept: ``plan/memory.py``), the
-    others' savings not modelled; this trainer recomputes whole blocks (``recompute``)."""
+    backward, one of :data:`RECOMPUTE_MODULES`. Time (``plan/timing.py``); memory for ``mla_up_proj``,
+    ``layernorm`` and ``moe_act`` in the Megatron-style engines (what they recompute is not saved:
+    ``plan/activations.py``), the others' savings not modelled; this trainer recomputes whole blocks
+    (``recompute``)."""
     replicas: int = 1
     """``fault_tolerance.replicas`` (torchft replica groups, with ``fault_tolerance.enabled``): the job is
     ``replicas`` groups of :attr:`group_world` ranks; every degree above is one group's, and the gradient shards

@@ -30,7 +30,10 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
   expert-TP 1 and in the megatron engines, all ``T`` in this trainer with expert-TP ``t``; fp32 dispatch in
   ``llmtrain``, whose router input is the fp32 residual stream), over the ``ep`` group of the expert mesh
   (peers ``etp`` ranks apart), ``(ep - 1) / ep`` of it leaving the rank, at the intra-node bandwidth for the
-  peers in the node and the inter-node one for the rest (in parallel). Exposed (neither engine overlaps it).
+  peers in the node and the inter-node one for the rest (in parallel). Exposed, except with ``ep_overlap``
+  (DualPipe, Megatron's ``--overlap-moe-expert-parallel-comm``): it runs beside another micro-batch's compute,
+  which then runs on the SMs it leaves (``/ (1 - Efficiency.ep_overlap_sms)``), and only what outlasts that
+  compute is exposed.
   Expert replicas (``edp > 1``): with ZeRO >= 1 their own FSDP gathers them and reduce-scatters their
   gradients over ``edp``; ZeRO-0 all-reduces their gradients.
 * **CP**, engine ``llmtrain`` (the trainer, :mod:`~llmtrain.plan.long_context`): per layer forward an
