@@ -53,7 +53,9 @@ RECIPES = (
            "megatron", "deepseek_v3", 671.03, tp=2, pp=16, ep=64),
     Recipe("DGXC DeepSeek-V3 on 512 H100", "NVIDIA dgxc-benchmarking deepseek_v3/pretraining (NeMo 25.04.01)",
            "megatron", "deepseek_v3", 671.03, tp=2, pp=8, ep=64),
-    Recipe("DeepSeek-V3 on 2,048 H800", "DeepSeek-V3 technical report (DualPipe)", "megatron", "deepseek_v3",
+    Recipe("DeepSeek-V3 on 2,048 H800", "DeepSeek-V3 technical report; its DualPipe, FP8 and recompute as "
+           "docs/planner.md plans them: schedule dualpipev, --ep-overlap, train.fp8, --act-fp8-input-store, "
+           "--recompute-modules layernorm,mla_up_proj,moe_act, --mtp-layers 1", "megatron", "deepseek_v3",
            671.03, tp=1, pp=16, ep=64),
     Recipe("MindFormers DeepSeek-V3", "mindformers research/deepseek3 pretrain_deepseek3_671b.yaml", "megatron",
            "deepseek_v3", 671.03, tp=4, pp=16, ep=8),
