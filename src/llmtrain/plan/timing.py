@@ -263,9 +263,8 @@ def _rank_time(
         )
         again = 1 if "moe" in lay.recompute_modules else 0  # the recomputed MoE layer dispatches again
         ep = shape.moe_layers * one_way * (2 + max(rc, again))
-        if (
-            lay.ep_overlap
-        ):  # beside another micro-batch's compute, which runs on the SMs the all-to-all leaves
+        if lay.ep_overlap:
+            # beside another micro-batch's compute, which runs on the SMs the all-to-all leaves
             compute /= 1 - eff.ep_overlap_sms
             ep = max(0.0, ep - compute)
 
