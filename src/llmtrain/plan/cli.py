@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from typing import Any
 
 from llmtrain.config.loader import load_config
 from llmtrain.config.schema import Config
@@ -170,38 +171,18 @@ def print_plan(
     top: int = 5,
     claims: list[str] | None = None,
     as_json: bool = False,
-    engine: str = "llmtrain",
-    tp_overlap: bool = False,
-    ep_overlap: bool = False,
-    act_fp8_input_store: bool = False,
     failures: float | None = None,
-    recompute_modules: tuple[str, ...] = (),
-    mtp_layers: int = 0,
-    grad_dtype: str = "auto",
-    attention: str = "flash",
-    loss_compiled: bool = False,
+    **layout_options: Any,
 ) -> None:
     """Plan ``config`` (with ``overrides``) on ``cluster_spec`` (None: from the config) and print the table, or
     one JSON object with ``as_json``; ``search_layouts`` adds the ``top`` ranked layouts, ``claims`` the verdicts
-    on stated figures (``KEY=VALUE``, KEY one of CLAIM_KEYS). ``engine`` (llmtrain: this trainer; megatron:
-    Megatron-style implementations), ``tp_overlap``, ``ep_overlap``, ``act_fp8_input_store``, ``grad_dtype``, ``attention`` and ``loss_compiled`` say
-    how the layout is executed (plan/layout.py)."""
+    on stated figures (``KEY=VALUE``, KEY one of CLAIM_KEYS). ``layout_options`` say how the layout is executed
+    (``engine``, ``tp_overlap``, ``ep_overlap``, ...: the keyword arguments of
+    :func:`~llmtrain.plan.search.layout_from_config`, as ``commands.plan.layout_options`` reads them)."""
     cfg, _notes = load_config(config, overrides)
     cluster = resolve_cluster(cfg, cluster_spec, catalog)
     layout, margs, tokens_per_step = layout_from_config(
-        cfg,
-        cluster.num_devices,
-        recompute or cfg.recompute.mode,
-        offload,
-        engine=engine,
-        tp_overlap=tp_overlap,
-        ep_overlap=ep_overlap,
-        act_fp8_input_store=act_fp8_input_store,
-        recompute_modules=recompute_modules,
-        mtp_layers=mtp_layers,
-        grad_dtype=grad_dtype,
-        attention=attention,
-        loss_compiled=loss_compiled,
+        cfg, cluster.num_devices, recompute or cfg.recompute.mode, offload, **layout_options
     )
     fused = bool(cfg.train.compile)
     result = evaluate(margs, layout, cluster, tokens_per_step, fused)

@@ -55,12 +55,12 @@ from typing import Any, cast
 from llmtrain.config.schema import ParallelConfig
 from llmtrain.distributed.grad_sync import sync_mode
 from llmtrain.errors import ConfigError
-from llmtrain.feasibility import V_SCHEDULES
+from llmtrain.feasibility import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from llmtrain.models import TransformerArgs
 from llmtrain.moe_rules import expert_tp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+MULTI_CHUNK_SCHEDULES = tuple(s for s in SCHEDULES if s not in SINGLE_STAGE_SCHEDULES)
 RECOMPUTE_MODES = ("none", "selective", "full", "offload")
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -100,9 +100,9 @@ def layout_from_config(
 ) -> tuple[Layout, TransformerArgs, int]:
     """(layout, model args, tokens per step) of the run config on ``world_size`` devices; ConfigError for a
     feasibility ``split`` rule (the model does not divide over the degrees, see the module docstring).
-    ``engine`` / ``tp_overlap`` / ``ep_overlap`` / ``act_fp8_input_store`` / ``recompute_modules`` / ``mtp_layers`` / ``attention`` / ``grad_dtype`` /
-    ``loss_compiled``: how
-    the layout is executed and what else the publishing engine trains (:class:`~llmtrain.plan.layout.Layout`)."""
+    ``engine`` / ``tp_overlap`` / ``ep_overlap`` / ``act_fp8_input_store`` / ``recompute_modules`` /
+    ``mtp_layers`` / ``attention`` / ``grad_dtype`` / ``loss_compiled``: how the layout is executed and what else
+    the publishing engine trains (:class:`~llmtrain.plan.layout.Layout`)."""
     replicas = cfg.fault_tolerance.replicas if cfg.fault_tolerance.enabled else 1
     if replicas > 1:  # one group's layout on world / R ranks, its slice batch / R of the global batch
         from llmtrain.ft.layout import group_world
