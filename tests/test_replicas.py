@@ -257,8 +257,8 @@ def test_a_group_alone_at_the_start_leaves_its_wait_as_one(tiny_corpus, tmp_path
     rank 0 until the timeout: exit 76 ("no quorum") on one rank, a closed connection on the other (CI, session
     12). Now the group leaves together, trains alone (its peers' slices ``samples_skipped``) and exits 0."""
     import socket
-    import time
 
+    from llmtrain.ft.lighthouse import reachable
     from test_launch_cluster import free_port
 
     with socket.socket() as s:
@@ -277,10 +277,7 @@ def test_a_group_alone_at_the_start_leaves_its_wait_as_one(tiny_corpus, tmp_path
            "LATE_RANK_SECONDS": "3"}  # fmt: skip
     late = Path(__file__).parent / "distributed" / "late_rank.py"
     try:
-        deadline = time.time() + 30
-        while socket.socket().connect_ex(("localhost", port)) != 0:
-            assert time.time() < deadline and lh.poll() is None, "the lighthouse did not start"
-            time.sleep(0.2)
+        assert reachable(f"localhost:{port}", 30.0), "the lighthouse did not start"
         p = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
              str(free_port()), str(late), "train", str(cfg)],
