@@ -25,7 +25,8 @@ from llmtrain.config.schema import ModelConfig
 from llmtrain.models import build_model, resolve_model_args
 from llmtrain.plan import Layout, estimate_memory
 from llmtrain.train.precision import LossScaler
-from test_plan import _free_port, _saved_bytes  # tests/ is on sys.path under pytest
+from ports import free_port  # tests/ is on sys.path under pytest
+from test_plan import _saved_bytes
 
 STEPS, MICRO, SEQ = 4, 2, 48  # 48 tokens: no activation has a weight's shape (the helper tells them by shape)
 
@@ -88,7 +89,7 @@ def zero3(tmp_path_factory) -> dict:
     import torch.multiprocessing as mp
 
     tmp = tmp_path_factory.mktemp("bf16")
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp)), nprocs=2, join=True)
     return json.loads((tmp / "bf16.json").read_text())
 
 

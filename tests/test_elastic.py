@@ -32,6 +32,7 @@ from llmtrain.config import config_from_dict
 from llmtrain.models import build_model
 from llmtrain.resolve import derive
 from llmtrain.train.checkpoint import load_model_weights
+from ports import free_port as _free_port  # tests/ is on sys.path under pytest
 
 STEPS = 12
 FAULTS = {"rank": 1, "kill_at_step": [3, 8], "crash_in_save_at_step": [6], "hang_at_step": [10]}
@@ -142,12 +143,6 @@ def test_hung_rank_dumps_stacks_and_job_restarts(chaos):
     ev = events(run_dir)
     hang_resume = [e for e in ev if e["event"] == "resumed" and e["step"] == 8]
     assert hang_resume and max(step_losses(run_dir)) == STEPS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from ports import free_port as _free_port  # tests/ is on sys.path under pytest
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +53,6 @@ def _config(prefix: str, out: Path, steps: int = 6, **sections: dict) -> dict:
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}
     return cfg
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cfg: dict, tmp: Path) -> list[subprocess.Popen]:

@@ -29,7 +29,8 @@ import yaml
 
 from llmtrain.distributed.env import RankEnv, detect, rank_env, slurm_tasks_on_node
 from llmtrain.errors import ConfigError
-from test_elastic import _descendants  # tests/ is on sys.path under pytest
+from ports import free_port  # tests/ is on sys.path under pytest
+from test_elastic import _descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 LLMTRAIN = str(Path(sys.executable).with_name("llmtrain"))
@@ -91,12 +92,6 @@ def kill_trees(procs) -> None:
                     os.kill(pid, 9)
                 except ProcessLookupError:
                     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

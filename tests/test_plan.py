@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import replace
 
 import pytest
@@ -16,6 +15,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.models import resolve_model_args
 from llmtrain.plan import Layout, estimate_memory, load_catalog, parse_cluster
 from llmtrain.plan.memory import min_state_bytes_per_device
+from ports import free_port as _free_port  # tests/ is on sys.path under pytest
 
 SEED_100B = "configs/seed/100b_32card.yaml"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,12 +108,6 @@ def test_memory_accounting_rules():
 
 
 # ------------------------------------------------------------------ memory against real shards on gloo
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # name -> (world size, mesh shape {dim: size}, zero stage, tensor parallel)
 VARIANTS = {
     "zero0_x2": (2, {"dp_replicate": 2, "dp_shard": 1}, 0, 1),

@@ -259,7 +259,7 @@ def test_a_group_alone_at_the_start_leaves_its_wait_as_one(tiny_corpus, tmp_path
     import socket
 
     from llmtrain.ft.lighthouse import reachable
-    from test_launch_cluster import free_port
+    from ports import free_port
 
     with socket.socket() as s:
         s.bind(("localhost", 0))
