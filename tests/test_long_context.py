@@ -129,7 +129,7 @@ def test_model_forward_with_head_loss_matches_logits_loss_and_auto_rule() -> Non
     assert abs(plain.item() - chunked.item()) / 48 < 1e-6
     assert (g_plain - model.tok_embeddings.weight.grad).abs().max().item() < 1e-6
     assert resolve_loss_chunk(None, 128256) == AUTO_CHUNK_TOKENS and resolve_loss_chunk(None, 32000) == 0
-    assert resolve_loss_chunk(None, 128256, tp=2) == 0 and resolve_loss_chunk(512, 1000) == 512
+    assert resolve_loss_chunk(0, 128256) == 0 and resolve_loss_chunk(512, 1000) == 512
 
 
 def _packed(vocab: int, lengths: list[int], seed: int = 0):
@@ -233,7 +233,6 @@ def test_activation_offload_matches_no_offload_and_packs_the_activations() -> No
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        ({"train.loss_chunk_tokens": 1024, "parallel.tensor_parallel": 2}, "parallel.tensor_parallel = 2"),
         ({"train.loss_chunk_tokens": -1}, "train.loss_chunk_tokens"),
         ({"model.attention": "flex", "run.device_target": "cpu"}, "model.attention = 'flex'"),
         ({"model.attention": "flash"}, "model.attention"),

@@ -60,6 +60,9 @@ def base(prefix: str, family: str) -> dict:
     }
 
 
+TP2_CHUNKED = {"parallel": {"tensor_parallel": 2}, "train": {"loss_chunk_tokens": 24}}
+
+
 def variants(world: int) -> dict[str, dict]:
     """``group:layout`` -> parallel overrides (the group's model overrides are added in ``launch_specs``)."""
     if world == 2:
@@ -79,6 +82,8 @@ def variants(world: int) -> dict[str, dict]:
         out["baichuan2_alibi:tp2"] = layouts["tp2"]
         out["llama3_dssn:zero3_dp2"] = layouts["zero3_dp2"]
         out["llama3_dssn:tp2"] = layouts["tp2"]
+        # the chunked loss under TP (vocabulary-sharded chunks, 64 tokens in chunks of 24), tied head included
+        out["llama3:tp2_chunked"] = out["llama3_tied:tp2_chunked"] = TP2_CHUNKED
         return out
     layouts = {
         "zero3_dp4": {"parallel": {"zero_stage": 3}},
@@ -88,6 +93,7 @@ def variants(world: int) -> dict[str, dict]:
     out = {f"{g}:{n}": v for g in ("llama3", "qwen3") for n, v in layouts.items()}
     out["llama3_tied:dp2_tp2"] = layouts["dp2_tp2"]
     out["llama3_dssn:dp2_tp2"] = layouts["dp2_tp2"]
+    out["llama3:dp2_tp2_chunked"] = {**layouts["dp2_tp2"], "train": {"loss_chunk_tokens": 24}}
     return out
 
 

@@ -28,6 +28,7 @@ PP = {"pipeline_parallel": 2, "micro_batch_num": 4}
 # issue 32: DSSN + TinyInit + QK-norm through the interleaved schedule (layers on two chunks per rank), its
 # per-layer health figures (every stage's layers, the last stage's logits) checked against one process too
 DSSN = {"model_type": "llama3", "norm_scheme": "dssn", "init": "tinyinit", "qk_norm": True}
+CHUNKED = {"loss_chunk_tokens": 24}
 GROUPS = {**{f: {"model_type": f} for f in FAMILIES}, "llama3_dssn": DSSN}
 
 
@@ -49,6 +50,12 @@ def variants(world: int, ckpt_dir: str) -> dict[str, dict]:
             "pp2_uneven_1f1b": {"parallel": {**PP, "pipeline_layers": [1, 3]}},
             # train.compile under PP: compiled blocks on each stage, the compiled loss on the last one
             "pp2_1f1b_compile": {"parallel": {**PP, "schedule": "1f1b"}, "train": {"compile": True}},
+            # the chunked loss on the last stage (chunks of 24 of a pipeline micro-batch's 64 tokens)
+            "pp2_1f1b_chunked": {"parallel": {**PP, "schedule": "1f1b"}, "train": CHUNKED},
+            "pp2_zero_bubble_chunked": {"parallel": {**PP, "schedule": "zero_bubble", "virtual_stages": 2},
+                                        "train": CHUNKED},
+            "pp2_dualpipev_chunked": {"parallel": {**PP, "schedule": "dualpipev", "virtual_stages": 2},
+                                      "train": CHUNKED},
             "pp2_1f1b": {  # also checkpointed: resumed in a single process below
                 "parallel": {**PP, "schedule": "1f1b"},
                 "checkpoint": {"save_dir": ckpt_dir},
@@ -57,6 +64,7 @@ def variants(world: int, ckpt_dir: str) -> dict[str, dict]:
         }
     return {
         "pp2_tp2": {"parallel": {**PP, "tensor_parallel": 2}},
+        "pp2_tp2_chunked": {"parallel": {**PP, "tensor_parallel": 2}, "train": CHUNKED},
         "pp2_dp2_zero3": {"parallel": {**PP, "zero_stage": 3}},
     }
 
@@ -97,6 +105,7 @@ def all_variants(world: int, tmp: Path) -> dict[str, dict]:
             out[f"{family}:{name}"] = {**v, "model": {"model_type": family}}
     if world == 2:
         out["llama3_dssn:pp2_interleaved_1f1b"] = {**out["llama3:pp2_interleaved_1f1b"], "model": dict(DSSN)}
+        out["llama3_dssn:pp2_interleaved_chunked"] = {**out["llama3_dssn:pp2_interleaved_1f1b"], "train": CHUNKED}
     return out
 
 

@@ -291,9 +291,15 @@ def test_chunked_loss_bounds_the_logits_at_vocab_128k():
     # 11.7 GiB: the log-softmax backward's saved fp32 output + fp32 gradient in + fp32 gradient out (the bf16
     # logits are freed with the forward; measured as the step's peak on CPU, tests/test_plan.py)
     assert plain == s * 128256 * (4 + 4 + 4) == 12608077824
-    assert loss_chunk(args, base) == 2048 and auto == 2048 * 128256 * 12 == plain / 4
-    assert logits_bytes(args, replace(base, loss_chunk_tokens=512), s) == 512 * 128256 * 12
-    assert loss_chunk(args, replace(base, tp=2, dp_shard=4)) == 0  # the trainer's rule: off under TP
+    head_grad = 128256 * 4096 * 4  # one chunk's fp32 head weight gradient before it is accumulated
+    assert loss_chunk(args, base) == 2048 and auto == 2048 * 128256 * 12 + head_grad
+    assert logits_bytes(args, replace(base, loss_chunk_tokens=512), s) == 512 * 128256 * 12 + head_grad
+    # under TP (loss parallel) the chunks run too, on each rank's V / tp columns: bf16 logits + one fp32 tensor
+    tp2 = replace(base, tp=2, dp_shard=4)
+    assert loss_chunk(args, tp2) == 2048
+    assert logits_bytes(args, tp2, s) == 2048 * 128256 / 2 * (2 + 4) + head_grad / 2
+    gathered = replace(tp2, loss_parallel=False)  # parallel.loss_parallel false: whole logits on each rank
+    assert logits_bytes(args, gathered, s) == 2048 * 128256 * 12 + head_grad
     megatron = estimate_memory(args, replace(base, engine="megatron")).details["logits_and_loss"]
     assert megatron == s * 128256 * (2 + 4 + 4)  # its fused vocabulary-parallel loss: bf16 + fp32 + fp32
     cluster = parse_cluster("8xh100", load_catalog())  # the price: one more head forward

@@ -12,8 +12,8 @@ Model sizes are the debug flavors at 256 tokens, micro-batch 2, 4 micro-batches 
 attention, the logits and the optimizer states all weigh in); fp32 as the parity tests run, one bf16 run.
 The zero-bubble schedules (``zero_bubble``, ``zbv``, ``dualpipev``) are measured without MemTracker's module tracking (its
 hooks turn their input-only ``autograd.grad`` into an error), which counts only tensors made under the tracker:
-a lower bound. ``KNOWN_MISSES`` would list a layout still beyond 10%, asserted to stay beyond it (none now:
-the interleaved zero-bubble schedule was 31% under until plan/zero_bubble.py played torch's order). The one-process and two-rank checks by hand (ZeRO-3, ZeRO-2, TP 2,
+a lower bound. ``KNOWN_MISSES`` lists a layout still beyond 10%, asserted to stay beyond it, with its reason (the
+interleaved zero-bubble schedule was 31% under until plan/zero_bubble.py played torch's order). The one-process and two-rank checks by hand (ZeRO-3, ZeRO-2, TP 2,
 each recompute mode) are ``tests/test_plan.py``'s.
 """
 
@@ -35,6 +35,8 @@ BOUND = 0.10
 QWEN_MOE = {"model_type": "qwen3", "flavor": "debug_moe"}
 DEEPSEEK = {"model_type": "deepseek_v3", "flavor": "debug"}
 PP = {"pipeline_parallel": 2, "schedule": "1f1b"}
+V4K = {"vocab_size": 4096}  # logits-heavy: the head's logits outweigh the rest of the debug model
+CHUNK = {"loss_chunk_tokens": 128}
 LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the base config
     2: {
         "zero3_dp2": {"parallel": {"zero_stage": 3}},
@@ -46,6 +48,12 @@ LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the ba
                           "parallel": {**PP, "schedule": "dualpipev", "virtual_stages": 2}},
         "cp2": {"parallel": {"context_parallel": 2}},
         "zero3_dp2_selective": {"parallel": {"zero_stage": 3}, "recompute": {"mode": "selective"}},
+        # issue 41: logits-heavy (vocab 4096): loss parallel, the gathered head it replaced, the chunked loss
+        # under TP and on the last pipeline stage
+        "tp2_v4k": {"model": V4K, "parallel": {"tensor_parallel": 2}},
+        "tp2_v4k_gathered": {"model": V4K, "parallel": {"tensor_parallel": 2, "loss_parallel": False}},
+        "tp2_v4k_chunked": {"model": V4K, "parallel": {"tensor_parallel": 2}, "train": CHUNK},
+        "pp2_v4k_chunked": {"model": V4K, "parallel": PP, "train": CHUNK},
     },
     4: {
         "dp2_tp2": {"parallel": {"zero_stage": 3, "tensor_parallel": 2}},
@@ -66,6 +74,9 @@ LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the ba
         "moe_ep2_dp4": {"model": QWEN_MOE, "parallel": {"zero_stage": 3, "expert_parallel": 2}},
         "moe_ep4_tp2": {"model": QWEN_MOE, "parallel": {"zero_stage": 3, "tensor_parallel": 2, "expert_parallel": 4}},
         "moe_ep2_pp2": {"model": {**QWEN_MOE, "num_layers": 4}, "parallel": {**PP, "expert_parallel": 2}},
+        "dp2_tp2_v4k_bf16": {"model": V4K, "parallel": {"zero_stage": 3, "tensor_parallel": 2},
+                             "train": {"precision": "bf16"}},
+        "tp2_pp2_v4k_chunked": {"model": V4K, "parallel": {**PP, "tensor_parallel": 2}, "train": CHUNK},
         "deepseek_dp4": {"model": DEEPSEEK, "parallel": {"zero_stage": 3}},
         "deepseek_ep2_tp2": {"model": DEEPSEEK,
                              "parallel": {"zero_stage": 3, "tensor_parallel": 2, "expert_parallel": 2}},
@@ -74,7 +85,13 @@ LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the ba
 
 
 NO_MODULE_HOOKS = {"pp2_zero_bubble", "pp2_zbv", "pp2_dualpipev"}
-KNOWN_MISSES: dict[str, tuple[float, str]] = {}  # name -> (bound on |planned / measured - 1|, why)
+KNOWN_MISSES: dict[str, tuple[float, str]] = {  # name -> (bound on |planned / measured - 1|, why)
+    "deepseek_ep2_tp2": (0.13, "the same ~0.77 MB over-count as before loss parallel (9.41 planned vs 8.62 MB "
+                               "measured with parallel.loss_parallel false, +9.2%), now of a total 2.1 MB smaller "
+                               "(+11.7%): the one-layer all-to-all buffers are counted at the loss's peak, where "
+                               "they are freed; counting them only where a MoE layer runs lowers Qwen3-MoE "
+                               "EP4 x TP2 to -12.7%, whose ranks' peaks differ by 16% with the routing"),
+}
 
 
 def _base(prefix: str) -> dict:

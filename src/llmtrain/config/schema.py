@@ -209,6 +209,10 @@ class ParallelConfig:
     seed's heterogeneous memory). Applies to the FSDP-wrapped (data-parallel) layouts."""
     reduce_grads: Literal["auto", "per_step", "per_microbatch"] = "auto"
     """DP gradient reduction under accumulation: auto, per_step or per_microbatch (docs/parallelism.md)."""
+    loss_parallel: bool = True
+    """Under tensor parallel, keep the logits sharded over the vocabulary and run the cross-entropy on the
+    shards (train/vocab_parallel.py; torchtitan's loss parallel): each TP rank holds V / tp of them. false
+    gathers whole logits on every TP rank (the trainer before loss parallel; more memory, same result)."""
 
     def effective_zero_stage(self) -> int:
         """The ZeRO stage after resolving the seed's use_zero/zero_level spelling."""

@@ -72,15 +72,16 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Shard attention heads, MLP hidden units and the vocabulary over ``tp_mesh`` (with sequence parallel)."""
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> None:
+    """Shard attention heads, MLP hidden units and the vocabulary over ``tp_mesh`` (with sequence parallel);
+    ``loss_parallel``: the head's logits stay sharded over the vocabulary (models/common/parallelize.py)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     args = model.args
     plan = get_family(args.family).tp_plan
     # A pipeline stage lacks the embedding or the head (None): plan only the modules it has.
-    top = {k: v for k, v in plan.top(args).items() if getattr(model, k, None) is not None}
+    top = {k: v for k, v in plan.top(args, loss_parallel).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan.block(args))
@@ -195,7 +196,7 @@ def parallelize(
         expert_params = expert_parallel.expert_params(model)
     if dims.tp > 1:
         assert world is not None
-        apply_tp(model, world["tp"])
+        apply_tp(model, world["tp"], cfg.parallel.loss_parallel)
     if dims.cp > 1:  # sequence split, K/V all-gather in attention (distributed/context_parallel.py)
         from llmtrain.distributed.context_parallel import apply_cp
 

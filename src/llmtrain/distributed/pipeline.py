@@ -152,6 +152,7 @@ class _StepState:
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     scale: float = 1.0
     recorded: list[torch.Tensor] | None = None
+    chunked: bool = False  # the last stage returned its summed loss (the chunked loss, train/loss.py)
 
 
 class PipelineRunner:
@@ -210,7 +211,7 @@ class PipelineRunner:
     def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one pipeline micro-batch: logits [b, T, vocab], labels [b, T]."""
         st = self._state
-        loss = self.ce_loss(output, labels)
+        loss = output if st.chunked else self.ce_loss(output, labels)
         if st.transform is not None:
             loss = st.transform(loss)
         if st.recorded is not None:
@@ -267,18 +268,41 @@ class PipelineRunner:
 
         args, kwargs, labels = self._inputs(micro_batches)
         recorded: list[torch.Tensor] = []
-        self._state = _StepState(transform, scale, recorded)
+        head_loss = self._head_loss()
+        if head_loss is not None:  # the last stage runs the chunked loss in its forward on its labels
+            kwargs = {**kwargs, "labels": labels}
+        self._set_head_loss(head_loss)
+        self._state = _StepState(transform, scale, recorded, chunked=head_loss is not None)
         tokens_per_mb = 0.0
         if self.moe is not None:  # the aux loss of each pipeline micro-batch weighs its (mean) tokens
             tokens_per_mb = int((labels != -100).sum()) / self.n_mb
             self.moe.before_step(self.model, tokens_per_mb * scale)
         with autocast(self.cfg.train.precision, self.device.type):
             self.schedule.step(*args, target=labels, return_outputs=False, **kwargs)
+        self._set_head_loss(None)
         self.tied.after_backward()
         if self.moe is not None:  # several runs in one step (replica groups' keep): their figures add up
             self.moe.after_step(self.model, self.n_mb, tokens_per_mb)
         self._state = _StepState()
         return self._reduce(recorded)
+
+    def _head_loss(self) -> Any:
+        """The chunked loss of this step (``train.loss_chunk_tokens`` by the trainer's rule, train/loss.py) with
+        the trainer loss's current settings, or None for the plain loss on the last stage's logits."""
+        from llmtrain.train.loss import HeadLoss, resolve_loss_chunk
+
+        vocab = int(getattr(getattr(self.model, "args", None), "vocab_size", 0))
+        chunk = resolve_loss_chunk(self.cfg.train.loss_chunk_tokens, vocab)
+        if not chunk:
+            return None
+        ce = cast(Any, self.ce_loss)  # the trainer's TokenLoss (train/step.py)
+        return HeadLoss(chunk, ce.label_smoothing, ce.compiled, ce.z_loss, ce.stats)
+
+    def _set_head_loss(self, head_loss: Any) -> None:
+        """Give the last stage's module its chunked loss (None: back to logits, as eval and lm-eval need)."""
+        if self.has_last:
+            mine = dict(zip(self.stage_ids, self.parts))
+            cast(Any, mine[self.n_chunks - 1]).head_loss = head_loss
 
     def before_optimizer_step(self) -> None:
         """Called by train/step.py after clipping, right before the optimizer step: the tied head's copy of the

@@ -115,6 +115,9 @@ class Layout:
     """``train.fp8``: the linear layers' GEMMs at the device's FP8 peak (distributed/float8.py)."""
     loss_chunk_tokens: int | None = None
     """``train.loss_chunk_tokens`` (None: the trainer's automatic rule, train/loss.py)."""
+    loss_parallel: bool = True
+    """``parallel.loss_parallel``: under TP this trainer's logits stay sharded over the vocabulary
+    (train/vocab_parallel.py); False: gathered whole on every TP rank."""
     document_mask: bool = False
     """``model.document_mask``: under context parallel the dense mask has a batch dimension."""
     recompute_modules: tuple[str, ...] = ()

@@ -29,7 +29,7 @@ Engines ``megatron`` / ``nemo`` keep the ring model (Transformer Engine's P2P ri
 layer forward and twice backward, hidden behind the attention of the same step, causal work only).
 
 **Chunked loss** (``train/loss.py``): :func:`loss_chunk` asks the trainer's own rule
-(``resolve_loss_chunk``: ``train.loss_chunk_tokens``, automatic at vocab >= 64k without TP and PP), and the head
+(``resolve_loss_chunk``: ``train.loss_chunk_tokens``, automatic at vocab >= 64k, under every layout), and the head
 rank's logits term (bf16 logits + fp32 log-softmax + fp32 gradient per element) covers ``min(chunk, tokens)``
 tokens instead of the micro-batch's (:func:`logits_bytes`); the chunks' logits are recomputed in backward, one
 more forward of the output projection (:func:`loss_recompute_fraction`).
@@ -62,6 +62,12 @@ LLMTRAIN_LOGIT_BYTES = 12
 freed before ``backward``): the log-softmax backward holds its saved fp32 output, the fp32 gradient it
 receives and the fp32 gradient it returns; the forward's bf16 logits + fp32 copy + fp32 output are 10 (fp32
 runs: 8). Per chunk under the chunked loss. Measured with the step's peak on CPU (tests/test_plan.py)."""
+
+VOCAB_PARALLEL_LOGIT_BYTES = 4
+"""Bytes per local logit element beyond the activation dtype at this trainer's loss-parallel peak
+(train/vocab_parallel.py): forward holds the head's logits and their shifted fp32 copy, which becomes the
+softmax kept for backward; backward turns it into the fp32 gradient in place and casts it to the logits' dtype
+(bf16: 4 + 2; fp32: no cast, the forward's 4 + 4 is the peak)."""
 
 TORCHTITAN_COMPILED_LOGIT_BYTES = 4
 """Bytes per logit element at torchtitan's loss peak when the loss is compiled (``Layout.loss_compiled``): the
@@ -219,13 +225,19 @@ def loss_chunk(args: TransformerArgs, lay: Layout) -> int:
     ``llmtrain`` keep their own (vocabulary-parallel) loss."""
     if lay.bf16_weights:
         return 0
-    return resolve_loss_chunk(lay.loss_chunk_tokens, args.vocab_size, lay.tp, lay.pp)
+    return resolve_loss_chunk(lay.loss_chunk_tokens, args.vocab_size)
 
 
 def head_vocab(args: TransformerArgs, lay: Layout) -> float:
-    """Logit columns one head rank holds: the whole vocabulary in this trainer (gathered), the
-    vocabulary-parallel shard in the other engines."""
-    return args.vocab_size / (lay.tp if lay.bf16_weights else 1)
+    """Logit columns one head rank holds: the vocabulary-parallel shard ``V / tp`` (this trainer's loss
+    parallel, the other engines' vocabulary-parallel loss); the whole vocabulary in this trainer with
+    ``parallel.loss_parallel: false`` (gathered)."""
+    return args.vocab_size / (lay.tp if (lay.bf16_weights or lay.loss_parallel) else 1)
+
+
+def vocab_parallel(lay: Layout) -> bool:
+    """Whether this trainer's loss runs on vocabulary-sharded logits (TP with ``parallel.loss_parallel``)."""
+    return not lay.bf16_weights and lay.tp > 1 and lay.loss_parallel
 
 
 def logits_bytes(args: TransformerArgs, lay: Layout, tokens: float) -> float:
@@ -236,8 +248,13 @@ def logits_bytes(args: TransformerArgs, lay: Layout, tokens: float) -> float:
     if lay.torchtitan:  # the fp32 loss: its peak element bytes (TORCHTITAN_LOGIT_BYTES), or compiled
         per = TORCHTITAN_COMPILED_LOGIT_BYTES if lay.loss_compiled else TORCHTITAN_LOGIT_BYTES[lay.tp > 1]
         return live * vocab * per
+    # the chunked loss: each chunk's head weight gradient [vocab, h] in fp32 before it is added into the
+    # gradient the earlier chunks left (autograd's accumulation of a weight used once per chunk)
+    head_grad = vocab * args.hidden_size * 4 if chunk and tokens > chunk else 0.0
+    if vocab_parallel(lay):  # this trainer's loss parallel: the logits + one fp32 tensor (VOCAB_PARALLEL_...)
+        return live * vocab * (lay.act_bytes + VOCAB_PARALLEL_LOGIT_BYTES) + head_grad
     if not lay.bf16_weights:  # this trainer: the log-softmax backward's peak (LLMTRAIN_LOGIT_BYTES)
-        return live * vocab * LLMTRAIN_LOGIT_BYTES
+        return live * vocab * LLMTRAIN_LOGIT_BYTES + head_grad
     return live * vocab * (lay.act_bytes + LOGIT_BYTES_EXTRA)
 
 
@@ -253,6 +270,6 @@ def offload_seconds(dev: Device, saved_bytes: float) -> float:
 
 __all__ = [
     "cp_additive_mask_bytes", "cp_bool_mask_bytes", "cp_comm_bytes", "cp_dense_keys", "cp_layer_bytes",
-    "cp_mask_traffic", "head_vocab", "logits_bytes", "loss_chunk", "loss_recompute_fraction", "offload_seconds", "ring_attention",
+    "cp_mask_traffic", "head_vocab", "vocab_parallel", "logits_bytes", "loss_chunk", "loss_recompute_fraction", "offload_seconds", "ring_attention",
     "RingAttention", "RING_MERGE_BYTES", "ring_kv_width", "trainer_cp",
 ]  # fmt: skip

@@ -130,6 +130,7 @@ from llmtrain.plan.long_context import (
     cp_layer_bytes,
     head_vocab,
     logits_bytes,
+    loss_chunk,
 )
 from llmtrain.plan.replicas import replica_memory_bytes
 
@@ -368,7 +369,8 @@ def _rank_memory(args: TransformerArgs, lay: Layout, shape: RankShape, capacity:
         rows = tokens * lay.dispatch_share * args.top_k * args.hidden_size
         dispatch = 2 * rows * (lay.act_bytes if lay.bf16_weights else 4)
     logits = logits_bytes(args, lay, tokens) if shape.head else 0.0
-    if shape.head and lay.pp > 1 and not lay.megatron_engine:
+    if shape.head and lay.pp > 1 and not lay.megatron_engine and not loss_chunk(args, lay):
+        # (the chunked loss runs in the last stage's forward, whose output is then the loss: nothing held)
         # torch pipelining computes the loss right after the last stage's forward and keeps that output, the
         # logits, until the micro-batch's backward (without PP this trainer frees them before the backward): per
         # head micro-batch in flight one copy at the activation dtype, and for every one but the micro-batch

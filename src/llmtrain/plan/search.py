@@ -122,7 +122,7 @@ def layout_from_config(
         precision=cfg.train.precision, reduce_grads=p.reduce_grads, engine=engine, tp_overlap=tp_overlap,
         ep_overlap=ep_overlap, act_fp8_input_store=act_fp8_input_store,
         fp8=cfg.train.fp8, loss_chunk_tokens=cfg.train.loss_chunk_tokens, document_mask=cfg.model.document_mask,
-        recompute_modules=tuple(recompute_modules), mtp_layers=mtp_layers, replicas=replicas, attention=attention,
+        loss_parallel=p.loss_parallel, recompute_modules=tuple(recompute_modules), mtp_layers=mtp_layers, replicas=replicas, attention=attention,
         grad_dtype=grad_dtype, replica_policy=cfg.fault_tolerance.batch_policy, loss_compiled=loss_compiled,
     )  # fmt: skip
     split = [pr for pr in layout_problems(cfg, world_size, d.model_args) if RULES[pr.rule].kind == "split"]
@@ -139,7 +139,7 @@ def layout_config(lay: Layout, global_batch: int, compile: bool = False) -> Conf
         expert_parallel=lay.ep, data_parallel_replicate=lay.dp_replicate if lay.zero_stage else 1,
         zero_stage=lay.zero_stage, schedule=cast(Any, lay.schedule), virtual_stages=lay.virtual_stages,
         pipeline_layers=list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
-        cpu_offload=lay.offload, reduce_grads=cast(Any, lay.reduce_grads),
+        cpu_offload=lay.offload, reduce_grads=cast(Any, lay.reduce_grads), loss_parallel=lay.loss_parallel,
     )  # fmt: skip
     train = TrainConfig(batch_size=global_batch, micro_batch_size=lay.micro_batch_size, compile=compile,
                         fp8=cast(Any, lay.fp8))  # fmt: skip

@@ -24,7 +24,9 @@ micro-batch on each pipeline rank (``T`` = micro-batch x seq / cp tokens, its la
   GEMMs, not the backward ones (torch's async-TP announcement: "up to ~20% forward pass speedup and ~8% E2E
   speedup in Llama3 70B"); ``megatron`` hides the backward ones behind ``tp_overlap_fraction`` of the backward
   GEMMs (its linear layers overlap them with the dgrad / wgrad GEMMs), and with ``tp_overlap`` (Transformer
-  Engine's userbuffers) the forward ones as well. ``llmtrain`` also all-gathers the logits over the vocabulary.
+  Engine's userbuffers) the forward ones as well. ``llmtrain`` with ``parallel.loss_parallel: false`` also
+  all-gathers the logits over the vocabulary (loss parallel, the default, keeps them sharded: two all-reduces
+  of a few floats per token).
 * **EP** all-to-all: per MoE block 2 exchanges forward (dispatch, combine) and 2 backward (+2 with full
   recompute) of the rows the rank dispatches, ``T x top_k x h x Layout.dispatch_share`` (``T / t`` with
   expert-TP 1 and in the megatron engines, all ``T`` in this trainer with expert-TP ``t``; fp32 dispatch in
@@ -105,9 +107,11 @@ from llmtrain.plan.long_context import (
     cp_comm_bytes,
     cp_dense_keys,
     cp_mask_traffic,
+    head_vocab,
     loss_recompute_fraction,
     offload_seconds,
     ring_attention,
+    vocab_parallel,
     trainer_cp,
 )
 
@@ -215,7 +219,7 @@ def _rank_time(
         )
         per = 3 * a if lay.loss_compiled else a + 12  # fused: read forward, read + write backward
         compute += heads * (
-            tokens * v / (1 if mega else t) * per / (dev.memory_bw_gbs * 1e9)
+            tokens * head_vocab(args, lay) * per / (dev.memory_bw_gbs * 1e9)
         )  # logits, softmax, grad
         # MTP's 2h -> h projection of [norm(h_i); norm(emb(t_i+k))] (three GEMMs)
         compute += shape.mtp * 3 * gemm_time(dev, tokens, h / t, 2 * h, a, eff.gemm)
@@ -249,8 +253,8 @@ def _rank_time(
             # reduce-scattered is a sum of GEMMs)
             bwd_exposed = max(0.0, bwd - f * 2 * gemm_s / 3) if lay.megatron_engine else bwd
             tp += n_layers * (fwd_exposed + bwd_exposed)
-        if shape.head and not mega:
-            tp += collective(tokens * v * a, t, bw, eff)  # the logits gathered over the vocabulary
+        if shape.head and not mega and not vocab_parallel(lay):
+            tp += collective(tokens * v * a, t, bw, eff)  # the logits gathered (parallel.loss_parallel: false)
 
     # expert parallel all-to-all, exposed
     ep = 0.0

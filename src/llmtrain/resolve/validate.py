@@ -139,17 +139,7 @@ def _check_stages(
 
 
 def _check_long_context(cfg: Config, where: str = "") -> None:
-    """The chunked loss (train/loss.py) runs inside the model's forward: not under TP or PP; FlexAttention
-    trains only on CUDA (no CPU backward in torch 2.13)."""
-    chunk, par = cfg.train.loss_chunk_tokens, cfg.parallel
-    for key, n in (("tensor_parallel", par.tensor_parallel), ("pipeline_parallel", par.pipeline_parallel)):
-        if chunk and n > 1:
-            raise ConfigError(
-                f"{where}train.loss_chunk_tokens = {chunk} with parallel.{key} = {n}: the chunked loss runs on "
-                f"the model's final hidden states, which {key} does not provide (TP's head takes sequence-"
-                f"sharded input and returns replicated logits; PP's last stage calls the plain loss). Set "
-                f"train.loss_chunk_tokens: 0 or leave it null (automatic: off under TP and PP)."
-            )
+    """FlexAttention trains only on CUDA (no CPU backward in torch 2.13)."""
     if cfg.model.attention == "flex" and cfg.run.device_target == "cpu":
         raise ConfigError(
             f"{where}model.attention = 'flex' with run.device_target = 'cpu': FlexAttention has no CPU backward "

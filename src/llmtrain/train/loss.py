@@ -23,10 +23,13 @@ from autograd through the recomputed chunk like the cross-entropy's. Ignored tar
 metric ``logit_rms`` (train/health.py), from the chunks as they pass, also without keeping them.
 
 ``train.loss_chunk_tokens``: 0 = off, N > 0 = chunks of N tokens, None (default) = automatic, i.e.
-:data:`AUTO_CHUNK_TOKENS` when the vocabulary has at least :data:`AUTO_MIN_VOCAB` entries and the layout has
-neither tensor nor pipeline parallelism (both compute the loss elsewhere: TP's head returns replicated
-logits from a sequence-sharded input, PP's last stage calls the plain loss on its output; an explicit N > 0
-with either is refused by resolve/validate.py).
+:data:`AUTO_CHUNK_TOKENS` when the vocabulary has at least :data:`AUTO_MIN_VOCAB` entries, under every layout.
+Under tensor parallel the chunks run on vocabulary-sharded logits: the final norm's sequence-sharded output is
+gathered once (as the head would gather it), each chunk's head matmul gives this rank's ``V / tp`` columns and
+the loss-parallel cross-entropy (train/vocab_parallel.py) its summed loss, so a TP rank holds ``chunk x V / tp``
+logits at a time. Under pipeline parallel the last stage's forward gets the pipeline micro-batch's labels and
+returns its summed loss (distributed/pipeline.py ``PipelineRunner._head_loss``), so the schedule's loss
+function only scales it.
 """
 
 from __future__ import annotations
@@ -39,14 +42,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from llmtrain.train.vocab_parallel import (
+    is_vocab_sharded,
+    sharded_square_sum,
+    squares,
+    vocab_parallel_cross_entropy,
+)
+
 AUTO_CHUNK_TOKENS = 2048
 AUTO_MIN_VOCAB = 65536
 
 
-def resolve_loss_chunk(setting: int | None, vocab_size: int, tp: int = 1, pp: int = 1) -> int:
+def resolve_loss_chunk(setting: int | None, vocab_size: int) -> int:
     """Chunk size the trainer uses for ``train.loss_chunk_tokens`` = ``setting`` (0: the plain loss)."""
     if setting is None:
-        return AUTO_CHUNK_TOKENS if vocab_size >= AUTO_MIN_VOCAB and tp == 1 and pp == 1 else 0
+        return AUTO_CHUNK_TOKENS if vocab_size >= AUTO_MIN_VOCAB else 0
     return int(setting)
 
 
@@ -54,7 +64,11 @@ def token_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, z_loss: float = 0.0
 ) -> torch.Tensor:
     """Summed fp32 cross-entropy of ``logits [..., vocab]`` against ``labels [...]`` (ignore index -100), plus
-    ``z_loss * sum(logsumexp(logits)^2)`` over the targets that are not ignored when ``z_loss`` > 0."""
+    ``z_loss * sum(logsumexp(logits)^2)`` over the targets that are not ignored when ``z_loss`` > 0. Logits
+    sharded over the vocabulary (tensor parallel's head) take the loss-parallel path, never gathered
+    (train/vocab_parallel.py)."""
+    if is_vocab_sharded(logits):
+        return vocab_parallel_cross_entropy(logits, labels, label_smoothing, z_loss)
     flat = logits.float().flatten(0, -2)  # [N, vocab]
     flat_labels = labels.flatten()
     loss = F.cross_entropy(
@@ -74,7 +88,7 @@ class LogitStats:
         self.entries: list[tuple[torch.Tensor, int]] = []
 
     def add(self, logits: torch.Tensor) -> None:
-        self.entries.append((logits.detach().float().square().sum(), logits.numel()))
+        self.entries.append((square_sum(logits), logits.numel()))
 
     def add_sum(self, sumsq: torch.Tensor, count: int) -> None:
         self.entries.append((sumsq.detach(), count))
@@ -87,6 +101,13 @@ class LogitStats:
         out = (float(sum(float(e[0]) for e in entries)), sum(e[1] for e in entries))
         self.entries = []
         return out
+
+
+def square_sum(logits: torch.Tensor) -> torch.Tensor:
+    """Sum of the squared logits (detached, fp32); vocabulary-sharded ones summed over their TP ranks."""
+    if is_vocab_sharded(logits):
+        return sharded_square_sum(logits)
+    return squares(logits)
 
 
 @functools.cache
@@ -111,7 +132,7 @@ def _chunk_loss(
     logits = head(h)  # [chunk, vocab], freed when the chunk is done
     loss = cross_entropy_fn(compiled)(logits, labels, label_smoothing, z_loss)
     if with_sumsq:  # [loss, sum of squared logits]: only the loss carries a gradient
-        return torch.stack([loss, logits.detach().float().square().sum()])
+        return torch.stack([loss, square_sum(logits)])
     return loss
 
 
@@ -124,8 +145,10 @@ def chunked_head_loss(
     summation order. ``stats`` (if given) receives the logits' sum of squares and count."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    h = _replicated(h)
     flat_h, flat_labels = h.flatten(0, -2), labels.flatten()  # [N, dim], [N]
     total = torch.zeros((), dtype=torch.float32, device=h.device)
+    sumsq = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, flat_h.shape[0], chunk_tokens):
         stop = start + chunk_tokens
         part = checkpoint(
@@ -141,11 +164,23 @@ def chunked_head_loss(
             preserve_rng_state=False,
         )
         if stats is not None:
-            rows = flat_h[start:stop].shape[0]
-            stats.add_sum(part[1], rows * int(getattr(head, "out_features", 0) or 0))
+            sumsq = sumsq + part[1]
             part = part[0]
         total = total + part
+    if stats is not None:  # one entry per loss call (a pipeline's health takes its last n_mb calls)
+        stats.add_sum(sumsq, flat_h.shape[0] * int(getattr(head, "out_features", 0) or 0))
     return total
+
+
+def _replicated(h: torch.Tensor) -> torch.Tensor:
+    """``h`` whole on every rank: a sequence-parallel DTensor (``Shard(1)``, tensor parallel's final norm) is
+    all-gathered once here, as the head would gather it, so that it can be cut into token chunks; its gradient
+    is reduce-scattered back by DTensor's autograd."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(h, DTensor) and any(not isinstance(p, Replicate) for p in h.placements):
+        return h.redistribute(placements=[Replicate()] * h.device_mesh.ndim)
+    return h
 
 
 class HeadLoss:

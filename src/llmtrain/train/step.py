@@ -113,7 +113,7 @@ class TrainStep:
         doc_ids = mb["document_ids"] if cfg.model.document_mask and self.cp is None else None
         pos_ids = mb["position_ids"] if cfg.model.document_mask or self.cp is not None else None
         vocab = int(getattr(getattr(self.model, "args", None), "vocab_size", 0))
-        chunk = resolve_loss_chunk(cfg.train.loss_chunk_tokens, vocab, cfg.parallel.tensor_parallel)
+        chunk = resolve_loss_chunk(cfg.train.loss_chunk_tokens, vocab)
         self.loss_fn.chunk_tokens = chunk
         with autocast(cfg.train.precision, self.device.type):
             if chunk:  # the model runs the chunked loss on its final hidden states (train/loss.py)

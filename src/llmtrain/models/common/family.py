@@ -64,10 +64,11 @@ _ARG_FIELDS = {f.name for f in fields(TransformerArgs)}
 @dataclass(frozen=True)
 class TPPlan:
     """How tensor parallel splits a family's model: ``block(args)`` plans one TransformerBlock (paths relative
-    to the block), ``top(args)`` the modules around the blocks; both return {module path: ParallelStyle}."""
+    to the block), ``top(args, loss_parallel)`` the modules around the blocks (the head's logits sharded over
+    the vocabulary or gathered); both return {module path: ParallelStyle}."""
 
     block: Callable[[TransformerArgs], dict[str, Any]]
-    top: Callable[[TransformerArgs], dict[str, Any]]
+    top: Callable[[TransformerArgs, bool], dict[str, Any]]
 
 
 def _common_block_plan(args: TransformerArgs) -> dict[str, Any]:
@@ -76,10 +77,10 @@ def _common_block_plan(args: TransformerArgs) -> dict[str, Any]:
     return block_plan(args)
 
 
-def _common_top_plan(args: TransformerArgs) -> dict[str, Any]:
+def _common_top_plan(args: TransformerArgs, loss_parallel: bool = True) -> dict[str, Any]:
     from llmtrain.models.common.parallelize import top_plan  # lazy: imports torch.distributed.tensor
 
-    return top_plan(args)
+    return top_plan(args, loss_parallel)
 
 
 COMMON_TP_PLAN = TPPlan(block=_common_block_plan, top=_common_top_plan)

@@ -4,7 +4,11 @@ Between blocks the residual stream is sharded along the sequence (``Shard(1)``, 
 on their sequence slice, then each attention / feed-forward input is all-gathered (``Replicate``), the
 column-parallel projections (``wq wk wv``, ``w1 w3``) produce local heads / local hidden units, and the
 row-parallel ones (``wo``, ``w2``) reduce-scatter back to ``Shard(1)``. The embedding is row-parallel over the
-vocabulary and the output projection column-parallel over the vocabulary, gathered to full logits. Parameters
+vocabulary and the output projection column-parallel over the vocabulary: its logits stay sharded over the
+vocabulary (a DTensor ``Shard(-1)``, torchtitan's loss-parallel plan), so each TP rank holds ``V / tp`` of
+them (``parallel.loss_parallel``, default true; false gathers them whole); the loss runs on the shards
+(train/vocab_parallel.py), and a caller that needs whole logits (evaluation,
+eval/forward.py) calls ``full_tensor()``. Parameters
 that stay whole on every TP rank (QK-norm weights) become replicated DTensors through :class:`NoParallel`, so
 the optimizer and gradient clipping see DTensors only (mixing plain tensors and DTensors fails in foreach ops).
 
@@ -145,10 +149,16 @@ def block_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
     return plan
 
 
-def top_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
-    """Plan of the modules around the blocks (embedding, final norm, output)."""
+def top_plan(args: TransformerArgs, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """Plan of the modules around the blocks (embedding, final norm, output). ``loss_parallel``
+    (``parallel.loss_parallel``): the logits stay a vocabulary-sharded DTensor; else they are gathered whole."""
+    output = (
+        ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        if loss_parallel
+        else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    )
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": output,
     }

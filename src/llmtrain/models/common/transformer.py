@@ -121,6 +121,8 @@ class Transformer(nn.Module):
             else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         )
         self.pipeline_untied = False  # distributed/pipeline.py: the head holds its own copy of the embedding
+        # distributed/pipeline.py: a last stage's chunked loss, used when the forward gets labels but no head_loss
+        self.head_loss: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None
         self.tie_weights()
         self.attention_impl = "sdpa"  # model.attention (auto, sdpa, flex), set by distributed/parallelize.py
         self.context_parallel: Any = None  # distributed/context_parallel.py sets it: the micro-batch's masks
@@ -180,6 +182,7 @@ class Transformer(nn.Module):
             cache.advance(seqlen)
         if self.norm is not None:
             h = self.norm(h)
+        head_loss = head_loss if head_loss is not None else self.head_loss
         if head_loss is not None and labels is not None and self.output is not None:
             return head_loss(h, self.output, labels)  # summed loss, a scalar
         return self.output(h) if self.output is not None else h  # [B, T, vocab]

@@ -45,10 +45,10 @@ def _block_plan(args: TransformerArgs) -> dict[str, Any]:
     return block_plan(args)
 
 
-def _top_plan(args: TransformerArgs) -> dict[str, Any]:
+def _top_plan(args: TransformerArgs, loss_parallel: bool = True) -> dict[str, Any]:
     from llmtrain.models.deepseek.tp import top_plan
 
-    return top_plan(args)
+    return top_plan(args, loss_parallel)
 
 
 DEEPSEEK_TP_PLAN = TPPlan(block=_block_plan, top=_top_plan)

@@ -92,6 +92,6 @@ def block_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
     return plan
 
 
-def top_plan(args: TransformerArgs) -> dict[str, ParallelStyle]:
+def top_plan(args: TransformerArgs, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     """Embedding, final norm and output: the common plan."""
-    return common_top_plan(args)
+    return common_top_plan(args, loss_parallel)
