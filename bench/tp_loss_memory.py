@@ -24,12 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+from worker import merge
+
 from llmtrain.config import config_from_dict
 from llmtrain.data.prep.prepare import prepare
 from llmtrain.plan import estimate_memory
 from llmtrain.plan.search import layout_from_config
 from test_parallel import base, launch
-from worker import merge
 
 MODEL = {"vocab_size": 32768, "seq_length": 1024}
 CHUNK = {"loss_chunk_tokens": 256}
@@ -61,7 +62,9 @@ def main() -> None:
                 lay, args, _ = layout_from_config(run, world, run.recompute.mode)
                 planned[name] = estimate_memory(args, lay).total
     one = measured["one process"]
-    print(f"{'run':<30} {'measured MiB':>13} {'x one process':>14} {'planned MiB':>12} {'planned/measured':>17}")
+    print(
+        f"{'run':<30} {'measured MiB':>13} {'x one process':>14} {'planned MiB':>12} {'planned/measured':>17}"
+    )
     for name in RUNS:
         m, p = measured[name], planned[name]
         print(f"{name:<30} {m / 2**20:>13.1f} {m / one:>14.2f} {p / 2**20:>12.1f} {p / m:>17.3f}")

@@ -52,10 +52,14 @@ def variants(world: int, ckpt_dir: str) -> dict[str, dict]:
             "pp2_1f1b_compile": {"parallel": {**PP, "schedule": "1f1b"}, "train": {"compile": True}},
             # the chunked loss on the last stage (chunks of 24 of a pipeline micro-batch's 64 tokens)
             "pp2_1f1b_chunked": {"parallel": {**PP, "schedule": "1f1b"}, "train": CHUNKED},
-            "pp2_zero_bubble_chunked": {"parallel": {**PP, "schedule": "zero_bubble", "virtual_stages": 2},
-                                        "train": CHUNKED},
-            "pp2_dualpipev_chunked": {"parallel": {**PP, "schedule": "dualpipev", "virtual_stages": 2},
-                                      "train": CHUNKED},
+            "pp2_zero_bubble_chunked": {
+                "parallel": {**PP, "schedule": "zero_bubble", "virtual_stages": 2},
+                "train": CHUNKED,
+            },
+            "pp2_dualpipev_chunked": {
+                "parallel": {**PP, "schedule": "dualpipev", "virtual_stages": 2},
+                "train": CHUNKED,
+            },
             "pp2_1f1b": {  # also checkpointed: resumed in a single process below
                 "parallel": {**PP, "schedule": "1f1b"},
                 "checkpoint": {"save_dir": ckpt_dir},
@@ -105,7 +109,10 @@ def all_variants(world: int, tmp: Path) -> dict[str, dict]:
             out[f"{family}:{name}"] = {**v, "model": {"model_type": family}}
     if world == 2:
         out["llama3_dssn:pp2_interleaved_1f1b"] = {**out["llama3:pp2_interleaved_1f1b"], "model": dict(DSSN)}
-        out["llama3_dssn:pp2_interleaved_chunked"] = {**out["llama3_dssn:pp2_interleaved_1f1b"], "train": CHUNKED}
+        out["llama3_dssn:pp2_interleaved_chunked"] = {
+            **out["llama3_dssn:pp2_interleaved_1f1b"],
+            "train": CHUNKED,
+        }
     return out
 
 

@@ -86,11 +86,14 @@ LAYOUTS: dict[int, dict[str, dict]] = {  # world -> name -> sections over the ba
 
 NO_MODULE_HOOKS = {"pp2_zero_bubble", "pp2_zbv", "pp2_dualpipev"}
 KNOWN_MISSES: dict[str, tuple[float, str]] = {  # name -> (bound on |planned / measured - 1|, why)
-    "deepseek_ep2_tp2": (0.13, "the same ~0.77 MB over-count as before loss parallel (9.41 planned vs 8.62 MB "
-                               "measured with parallel.loss_parallel false, +9.2%), now of a total 2.1 MB smaller "
-                               "(+11.7%): the one-layer all-to-all buffers are counted at the loss's peak, where "
-                               "they are freed; counting them only where a MoE layer runs lowers Qwen3-MoE "
-                               "EP4 x TP2 to -12.7%, whose ranks' peaks differ by 16% with the routing"),
+    "deepseek_ep2_tp2": (
+        0.13,
+        "the same ~0.77 MB over-count as before loss parallel (9.41 planned vs 8.62 MB "
+        "measured with parallel.loss_parallel false, +9.2%), now of a total 2.1 MB smaller "
+        "(+11.7%): the one-layer all-to-all buffers are counted at the loss's peak, where "
+        "they are freed; counting them only where a MoE layer runs lowers Qwen3-MoE "
+        "EP4 x TP2 to -12.7%, whose ranks' peaks differ by 16% with the routing",
+    ),
 }
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from ports import free_port
 
 from llmtrain.train.loss import chunked_head_loss, token_cross_entropy
+from ports import free_port
 
 CASES = [  # (vocab, dtype, label_smoothing, z_loss)
     (1001, torch.float32, 0.0, 0.0),
@@ -95,7 +95,9 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 def _run(world: int):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world, free_port(), queue), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(world, free_port(), queue), nprocs=world, join=True, start_method="spawn"
+    )
     return queue.get()
 
 

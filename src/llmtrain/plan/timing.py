@@ -111,8 +111,8 @@ from llmtrain.plan.long_context import (
     loss_recompute_fraction,
     offload_seconds,
     ring_attention,
-    vocab_parallel,
     trainer_cp,
+    vocab_parallel,
 )
 
 
@@ -219,8 +219,8 @@ def _rank_time(
         )
         per = 3 * a if lay.loss_compiled else a + 12  # fused: read forward, read + write backward
         compute += heads * (
-            tokens * head_vocab(args, lay) * per / (dev.memory_bw_gbs * 1e9)
-        )  # logits, softmax, grad
+            tokens * (v if mega else head_vocab(args, lay)) * per / (dev.memory_bw_gbs * 1e9)
+        )  # logits, softmax, grad (the megatron engines' term as fitted: tests/test_plan_published.py)
         # MTP's 2h -> h projection of [norm(h_i); norm(emb(t_i+k))] (three GEMMs)
         compute += shape.mtp * 3 * gemm_time(dev, tokens, h / t, 2 * h, a, eff.gemm)
     if not mega and lay.precision != "fp32" and lay.pp == 1:  # autocast's weight casts, every micro-batch
@@ -254,7 +254,9 @@ def _rank_time(
             bwd_exposed = max(0.0, bwd - f * 2 * gemm_s / 3) if lay.megatron_engine else bwd
             tp += n_layers * (fwd_exposed + bwd_exposed)
         if shape.head and not mega and not vocab_parallel(lay):
-            tp += collective(tokens * v * a, t, bw, eff)  # the logits gathered (parallel.loss_parallel: false)
+            tp += collective(
+                tokens * v * a, t, bw, eff
+            )  # the logits gathered (parallel.loss_parallel: false)
 
     # expert parallel all-to-all, exposed
     ep = 0.0

@@ -54,7 +54,7 @@ def _local_vocab(logits: Any) -> tuple[torch.Tensor, int, int, Any]:
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         local: torch.Tensor,  # [N, Vl] this rank's slice of the logits
         labels: torch.Tensor,  # [N] global vocabulary ids, -100 ignored
@@ -67,7 +67,9 @@ class _VocabParallelCE(torch.autograd.Function):
         width = local.shape[-1]
         m = local.detach().amax(dim=-1).float()  # [N]
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        x = local.detach().to(torch.float32, copy=True).sub_(m[:, None])  # [N, Vl] fp32 shifted logits (a copy)
+        x = (
+            local.detach().to(torch.float32, copy=True).sub_(m[:, None])
+        )  # [N, Vl] fp32 shifted logits (a copy)
         valid = labels != -100
         idx = labels - start
         mine = valid & (idx >= 0) & (idx < width)  # rows whose target is in this slice
@@ -96,7 +98,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return (per_row * valid).sum()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         probs, idx, mine, valid, log_z = ctx.saved_tensors
         e, c = ctx.label_smoothing, ctx.z_loss
         g = probs  # [N, Vl], overwritten in place: the graph is freed after this call
