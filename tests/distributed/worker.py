@@ -122,6 +122,8 @@ def step_peak(trainer: Trainer, module_hooks: bool = True) -> list[dict[str, int
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
         snaps.append({str(k): int(v) for k, v in peak.items()})
     snap = min(snaps, key=lambda s: s["Total"])
+    if not dist.is_initialized():  # one process: no group to gather over
+        return [snap]
     peaks: list = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, snap)
     return peaks
@@ -177,11 +179,12 @@ def main() -> None:
             results[name]["val_loss"] = trainer.validate()["val_loss"]
         if dump:
             state = {k: getattr(v, "full_tensor", v.detach)() for k, v in trainer.model.state_dict().items()}
-            if dist.get_rank() == 0:
+            if not dist.is_initialized() or dist.get_rank() == 0:
                 torch.save(state, dump)
         trainer.metrics.close()
-        dist.barrier()
-    if dist.get_rank() == 0:
+        if dist.is_initialized():  # one process (bench/tp_loss_memory.py's reference) has no group
+            dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
         json.dump(results, open(sys.argv[2], "w"))
     shutdown_distributed(barrier=True)  # the trainer's own exit: every rank, then every group destroyed
 
